@@ -1,0 +1,55 @@
+"""Argument checks shared by the public functions; every failure names the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def canonical_axis(axis: int, ndim: int, name: str = "axis") -> int:
+  """Returns `axis` in [0, ndim), or raises a ValueError naming `name`."""
+  if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+    raise TypeError(f"`{name}` must be an int, got {axis!r}.")
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"`{name}`={axis} is out of range for an input of rank {ndim}.")
+  return int(axis) % ndim
+
+
+def check_chunk_size(chunk_size: int | None) -> None:
+  if chunk_size is None:
+    return
+  if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool):
+    raise TypeError(f"`chunk_size` must be a positive int or None, got {chunk_size!r}.")
+  if chunk_size <= 0:
+    raise ValueError(f"`chunk_size` must be positive, got {chunk_size}.")
+
+
+def check_inexact(x: jnp.ndarray, name: str) -> None:
+  """Raises a TypeError unless `x` has a floating or complex dtype."""
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise TypeError(f"`{name}` must have a floating or complex dtype, got {x.dtype}.")
+
+
+def check_broadcasts_to(x: jnp.ndarray, shape: Sequence[int], name: str, target: str) -> None:
+  """Raises unless `x` broadcasts to `shape` without changing `shape`."""
+  try:
+    out = np.broadcast_shapes(x.shape, tuple(shape))
+  except ValueError:
+    out = None
+  if out != tuple(shape):
+    raise ValueError(
+        f"`{name}` with shape {x.shape} does not broadcast to the shape of `{target}` "
+        f"{tuple(shape)}."
+    )
+
+
+def check_shape(x: jnp.ndarray, shape: Sequence[int], name: str, what: str) -> None:
+  if x.shape != tuple(shape):
+    raise ValueError(f"`{name}` must have shape {tuple(shape)} ({what}), got {x.shape}.")
+
+
+def check_bool(x: jnp.ndarray, name: str) -> None:
+  if x.dtype != jnp.bool_:
+    raise TypeError(f"`{name}` must be a boolean array, got dtype {x.dtype}.")

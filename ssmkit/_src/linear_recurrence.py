@@ -1,0 +1,353 @@
+"""The linear recurrence h_t = a_t * h_{t-1} + b_t, with a custom VJP that is one reverse scan."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src import checks
+from ssmkit._src.engine import reduce_leading, scan_leading
+from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
+from ssmkit._src.operators import affine, with_resets
+
+Array = jax.Array
+
+
+class _Config(NamedTuple):
+  reverse: bool
+  mode: Mode
+  chunk_size: int | None
+  inner: Inner | None
+
+
+def _edge(reverse: bool) -> int:
+  """Index of the first step of the scan (where h0 enters)."""
+  return -1 if reverse else 0
+
+
+def _sequential(a: Array, b: Array, h0: Array, reset: Array | None, reverse: bool):
+  """`lax.scan` with a time-invariant `a` closed over instead of streamed."""
+  invariant = a.shape[0] == 1
+
+  def body(h, x):
+    a_t, b_t, r_t = x
+    h = (a[0] if invariant else a_t) * h + b_t
+    if r_t is not None:
+      h = jnp.where(r_t, b_t, h)
+    return h, h
+
+  return lax.scan(body, h0, (None if invariant else a, b, reset), reverse=reverse)
+
+
+def _cumsum_chunks(chunks, reverse: bool):
+  """Closed-form affine scan inside chunks: (P, P * cumsum(b / P)), P the running product."""
+  a, b = chunks
+  p = lax.cumprod(a, axis=1, reverse=reverse)
+  return p, p * lax.cumsum(b / p, axis=1, reverse=reverse)
+
+
+def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
+  """The parallel and chunked modes: the affine operator through the scan engine."""
+  first = _edge(cfg.reverse)
+  a = jnp.broadcast_to(a, b.shape)
+  entry = a[first] * h0 + b[first]
+  if reset is not None:
+    reset = jnp.broadcast_to(reset, b.shape)
+    entry = jnp.where(reset[first], b[first], entry)
+  b = b.at[first].set(entry)
+  if reset is None:
+    op, elems = affine, (a, b)
+  else:
+    op, elems = with_resets(affine), (reset, (a, b))
+  scan_chunks = _cumsum_chunks if cfg.inner is Inner.CUMSUM else None
+  out = scan_leading(
+      op,
+      elems,
+      mode=cfg.mode,
+      reverse=cfg.reverse,
+      chunk_size=cfg.chunk_size,
+      inner=cfg.inner,
+      scan_chunks=scan_chunks,
+  )
+  h = out[1] if reset is None else out[1][1]
+  return h[0 if cfg.reverse else -1], h
+
+
+def _forward(cfg: _Config, a, b, h0, reset):
+  if cfg.mode is Mode.SEQUENTIAL:
+    return _sequential(a, b, h0, reset, cfg.reverse)
+  return _scanned(a, b, h0, reset, cfg)
+
+
+def _shift(x: Array, reverse: bool, fill: Array) -> Array:
+  """x_{t+1} along the scan direction (x_{t-1} when reversed), `fill` past the end."""
+  fill = fill[None]
+  return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
+
+
+def _adjoint(cfg: _Config, a, g, reset):
+  """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
+
+  The sequential mode carries c = a_t * lambda_t, so it reads a_t at step t: no shifted
+  copy of `a` is made.
+  """
+  reverse = not cfg.reverse
+  zero = jnp.zeros(g.shape[1:], g.dtype)
+  if cfg.mode is Mode.SEQUENTIAL:
+    invariant = a.shape[0] == 1
+
+    def body(c, x):
+      a_t, g_t, r_t = x
+      lam = g_t + c
+      c = (a[0] if invariant else a_t) * lam
+      if r_t is not None:
+        c = jnp.where(r_t, jnp.zeros_like(c), c)
+      return c, lam
+
+    dh0, lam = lax.scan(body, zero, (None if invariant else a, g, reset), reverse=reverse)
+    return lam, dh0
+  a = jnp.broadcast_to(a, g.shape)
+  a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))  # any value; 1 keeps cumsum finite
+  r_next = None
+  if reset is not None:
+    reset = jnp.broadcast_to(reset, g.shape)
+    r_next = _shift(reset, cfg.reverse, jnp.zeros_like(reset[0]))
+  _, lam = _scanned(a_next, g, zero, r_next, cfg._replace(reverse=reverse))
+  first = _edge(cfg.reverse)
+  dh0 = a[first] * lam[first]
+  if reset is not None:
+    dh0 = jnp.where(reset[first], jnp.zeros_like(dh0), dh0)
+  return lam, dh0
+
+
+def _cotangent_like(x: Array, like: Array) -> Array:
+  """Sums broadcast axes away and drops the imaginary part for a real primal."""
+  axes = tuple(i for i, (n, m) in enumerate(zip(like.shape, x.shape, strict=True)) if n != m)
+  x = x.sum(axes, keepdims=True) if axes else x
+  if not jnp.iscomplexobj(like):
+    x = jnp.real(x)
+  return x.astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recurrence(cfg: _Config, a, b, h0, reset):
+  h_last, h = _forward(cfg, a, b, h0, reset)
+  return h, h_last
+
+
+def _recurrence_fwd(cfg, a, b, h0, reset):
+  h_last, h = _forward(cfg, a, b, h0, reset)
+  return (h, h_last), (a, b, h0, reset, h)
+
+
+def _gradients(cfg: _Config, a, b, h0, reset, h, g):
+  lam, dh0 = _adjoint(cfg, a, g, reset)
+  h_prev = _shift(h, not cfg.reverse, h0)
+  da = lam * h_prev
+  if reset is not None:
+    da = jnp.where(reset, jnp.zeros_like(da), da)
+  return (
+      _cotangent_like(da, a),
+      _cotangent_like(lam, b),
+      _cotangent_like(dh0, h0),
+      None,
+  )
+
+
+def _recurrence_bwd(cfg, residuals, cotangents):
+  a, b, h0, reset, h = residuals
+  g, g_last = cotangents
+  last = 0 if cfg.reverse else -1
+  g = jnp.asarray(g).at[last].add(jnp.asarray(g_last, g.dtype))
+  return _gradients(cfg, a, b, h0, reset, h, g)
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _final(cfg: _Config, a, b, h0, reset):
+  a = jnp.broadcast_to(a, b.shape)
+  if reset is None:
+    total_a, total_b = reduce_leading(affine, (a, b), mode=cfg.mode, reverse=cfg.reverse,
+                                      chunk_size=cfg.chunk_size)
+    return total_a * h0 + total_b
+  reset = jnp.broadcast_to(reset, b.shape)
+  cut, (total_a, total_b) = reduce_leading(with_resets(affine), (reset, (a, b)), mode=cfg.mode,
+                                           reverse=cfg.reverse, chunk_size=cfg.chunk_size)
+  return jnp.where(cut, total_b, total_a * h0 + total_b)
+
+
+def _final_fwd(cfg, a, b, h0, reset):
+  return _final(cfg, a, b, h0, reset), (a, b, h0, reset)
+
+
+def _final_bwd(cfg, residuals, g_last):
+  a, b, h0, reset = residuals
+  _, h = _forward(cfg, a, b, h0, reset)  # recomputed: the forward pass kept no states
+  g = jnp.zeros(h.shape, jnp.result_type(h, g_last))
+  g = g.at[0 if cfg.reverse else -1].set(g_last)
+  return _gradients(cfg, a, b, h0, reset, h, g)
+
+
+_final.defvjp(_final_fwd, _final_bwd)
+
+
+def _accumulation_dtype(dtype) -> jnp.dtype:
+  """float32 for 16-bit floats (complex64 stays), else the dtype itself."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return jnp.dtype(jnp.float32)
+  return dtype
+
+
+class _Prepared(NamedTuple):
+  cfg: _Config
+  a: Array
+  b: Array
+  h0: Array
+  reset: Array | None
+  axis: int
+  out_dtype: jnp.dtype
+
+
+def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepared:
+  """Checks the arguments, moves time to the front and casts to the accumulation dtype."""
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  checks.check_inexact(a, "a")
+  checks.check_inexact(b, "b")
+  mode = parse_mode(mode)
+  checks.check_chunk_size(chunk_size)
+  inner = parse_inner(inner, tuple(Inner))
+  if b.ndim == 0:
+    raise ValueError("`b` must have a time axis, got a scalar.")
+  axis = checks.canonical_axis(axis, b.ndim)
+  checks.check_broadcasts_to(a, b.shape, "a", "b")
+  state_shape = b.shape[:axis] + b.shape[axis + 1 :]
+  out_dtype = jnp.result_type(a, b)
+  if h0 is not None:
+    h0 = jnp.asarray(h0)
+    checks.check_inexact(h0, "h0")
+    checks.check_shape(h0, state_shape, "h0", "`b` without its time axis")
+    out_dtype = jnp.result_type(out_dtype, h0)
+  if reset is not None:
+    reset = jnp.asarray(reset)
+    checks.check_bool(reset, "reset")
+    checks.check_broadcasts_to(reset, b.shape, "reset", "b")
+    if inner is Inner.CUMSUM:
+      raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
+    reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
+  acc = _accumulation_dtype(out_dtype)
+  a_acc = acc if jnp.iscomplexobj(a) else jnp.real(jnp.zeros((), acc)).dtype
+  a = jnp.moveaxis(a.reshape((1,) * (b.ndim - a.ndim) + a.shape), axis, 0).astype(a_acc)
+  b = jnp.moveaxis(b, axis, 0).astype(acc)
+  h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
+  cfg = _Config(bool(reverse), resolve_mode(mode, b.shape[0]), chunk_size, inner)
+  return _Prepared(cfg, a, b, h0, reset, axis, out_dtype)
+
+
+def linear_recurrence(
+    a: Array,
+    b: Array,
+    h0: Array | None = None,
+    *,
+    reset: Array | None = None,
+    reverse: bool = False,
+    axis: int = 0,
+    mode: str | Mode = "auto",
+    chunk_size: int | None = None,
+    inner: str | Inner | None = None,
+    return_final_state: bool = False,
+) -> Array | tuple[Array, Array]:
+  """Computes h_t = a_t * h_{t-1} + b_t along `axis`, starting from h_{-1} = h0.
+
+  With `reverse=True` the recurrence runs from the end: h_t = a_t * h_{t+1} + b_t, h_T = h0
+  (a discounted return is `linear_recurrence(discount, reward, reverse=True)`).
+  `reset[t]` clears the state before step t (h_t = b_t), by selection, so a NaN or Inf
+  before a reset never reaches the steps after it.
+
+  The gradient is a custom VJP: one reverse linear recurrence
+  lambda_t = g_t + a_{t+1} lambda_{t+1}, then da_t = lambda_t h_{t-1}, db_t = lambda_t,
+  dh0 = a_0 lambda_0 (JAX's convention: no complex conjugation). It keeps only `a`, `h`
+  and `h0`, like `lax.scan` autodiff, and far less than autodiff through
+  `lax.associative_scan`. bfloat16/float16 inputs accumulate in float32.
+
+  Args:
+    a: decay, real or complex, broadcastable to `b` without changing `b`'s shape: per step
+      and feature `(..., T, ...)`, per feature `(D,)`, time-invariant scalar `()`.
+    b: input `(..., T, ...)` with time on `axis`, real or complex.
+    h0: initial state, `b`'s shape without the time axis; default zeros.
+    reset: optional boolean flags broadcastable to `b` (e.g. `(T, B, 1)` for `b` of
+      shape `(T, B, D)`); True clears the state before that step.
+    reverse: run from the last step to the first.
+    axis: time axis of `b` (and of `a`, `reset` once right-aligned with `b`).
+    mode: "auto", "sequential", "parallel" or "chunked" (see `ssmkit.scan.Mode`).
+    chunk_size: chunk length for the chunked mode; default about sqrt(T).
+    inner: in-chunk strategy of the chunked mode: "sequential", "parallel" or "cumsum".
+      "cumsum" is the closed form h = P * cumsum(b / P) with P the running product of `a`
+      inside the chunk. It is only safe while |P| stays far from underflow over a chunk:
+      about chunk_size * max(-log|a_t|) < 20 in float32 (80 in float64); an `a_t` of 0, or
+      decays that reach 1e-38 within a chunk, give Inf/NaN. It cannot take `reset`.
+    return_final_state: also return the last state (h_{T-1}; h_0 when `reverse`), to
+      continue the recurrence over the next piece of a long sequence.
+
+  Returns:
+    `h` with `b`'s shape and the promoted dtype of `a`, `b` (and `h0`); with
+    `return_final_state`, the tuple `(h, h_final)`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.scan import linear_recurrence
+    >>> linear_recurrence(jnp.full(4, 0.5), jnp.ones(4))
+    Array([1.   , 1.5  , 1.75 , 1.875], dtype=float32)
+    >>> linear_recurrence(0.5, jnp.ones(4), reset=jnp.array([False, False, True, False]))
+    Array([1. , 1.5, 1. , 1.5], dtype=float32)
+
+  References:
+    Martin & Cundy, "Parallelizing linear recurrent neural nets over sequence length",
+    ICLR 2018; Blelloch, "Prefix sums and their applications", 1990.
+  """
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner)
+  if p.b.shape[0] == 0:
+    h, h_last = p.b, p.h0
+  else:
+    h, h_last = _recurrence(p.cfg, p.a, p.b, p.h0, p.reset)
+  h = jnp.moveaxis(h, 0, p.axis).astype(p.out_dtype)
+  if return_final_state:
+    return h, h_last.astype(p.out_dtype)
+  return h
+
+
+def linear_recurrence_final_state(
+    a: Array,
+    b: Array,
+    h0: Array | None = None,
+    *,
+    reset: Array | None = None,
+    reverse: bool = False,
+    axis: int = 0,
+    mode: str | Mode = "auto",
+    chunk_size: int | None = None,
+) -> Array:
+  """The last state of `linear_recurrence`, without keeping the T intermediate states.
+
+  Same arguments and semantics as `linear_recurrence`. The forward pass stores one state
+  (one per chunk in the chunked and parallel modes); the gradient recomputes the states.
+
+  Returns:
+    h_{T-1} (h_0 when `reverse`), shaped like `b` without its time axis.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.scan import linear_recurrence_final_state
+    >>> linear_recurrence_final_state(jnp.full(4, 0.5), jnp.ones(4), h0=jnp.array(8.0))
+    Array(2.375, dtype=float32)
+  """
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None)
+  if p.b.shape[0] == 0:
+    return p.h0.astype(p.out_dtype)
+  return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)

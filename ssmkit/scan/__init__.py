@@ -1,0 +1,18 @@
+"""Scan primitives: one engine over associative operators, several execution modes."""
+
+from ssmkit._src.engine import associative_scan
+from ssmkit._src.forward_fill import expand_runs, forward_fill
+from ssmkit._src.linear_recurrence import linear_recurrence, linear_recurrence_final_state
+from ssmkit._src.modes import Inner, Mode
+from ssmkit.scan import operators
+
+__all__ = [
+    "Inner",
+    "Mode",
+    "associative_scan",
+    "expand_runs",
+    "forward_fill",
+    "linear_recurrence",
+    "linear_recurrence_final_state",
+    "operators",
+]

@@ -1,0 +1,24 @@
+"""`ssmkit bench scan --shapes small` runs end to end and prints the whole table."""
+
+from ssmkit import cli
+
+METHODS = (
+    "lax.scan",
+    "lax.associative_scan",
+    "ssmkit auto",
+    "ssmkit sequential",
+    "ssmkit parallel",
+    "ssmkit chunked/seq",
+    "ssmkit chunked/par",
+)
+
+
+def test_bench_scan_small_prints_every_method_shape_and_criterion(capsys):
+  status = cli.main(["bench", "scan", "--shapes", "small", "--repeats", "2"])
+  out = capsys.readouterr().out
+  assert status == 0
+  for name in METHODS:
+    assert f" {name} " in out
+  for shape in ("T=64 D=2", "B=2 T=16 D=2"):
+    assert shape in out
+  assert out.count("PASS") + out.count("FAIL") == 5  # one line per acceptance criterion

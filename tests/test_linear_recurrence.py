@@ -1,0 +1,333 @@
+"""`linear_recurrence`: every mode against a float64 loop, gradients, resets, dtypes, errors."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import references
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.test_util import check_grads
+
+from ssmkit.scan import linear_recurrence, linear_recurrence_final_state
+
+MODES = [
+    dict(mode="sequential"),
+    dict(mode="parallel"),
+    dict(mode="chunked", chunk_size=4, inner="sequential"),
+    dict(mode="chunked", chunk_size=5, inner="parallel"),
+    dict(mode="chunked", chunk_size=3, inner="cumsum"),
+    dict(mode="chunked"),
+    dict(mode="auto"),
+]
+LENGTHS = [0, 1, 2, 7, 13, 64, 97]
+
+
+def _inputs(rng, shape, dtype, axis=0, a_shape=None, low=0.5):
+  """Decays in [low, 1) (unit modulus below 1 for complex) and normal inputs."""
+  a_shape = shape if a_shape is None else a_shape
+  a = rng.uniform(low, 1.0, a_shape)
+  b = rng.normal(size=shape)
+  if np.issubdtype(dtype, np.complexfloating):
+    a = a * np.exp(1j * rng.uniform(-np.pi, np.pi, a_shape))
+    b = b + 1j * rng.normal(size=shape)
+  return a.astype(dtype), b.astype(dtype)
+
+
+def _tolerance(dtype):
+  return {np.float32: 2e-5, np.complex64: 2e-5, np.float64: 1e-12, np.complex128: 1e-12}[
+      np.dtype(dtype).type
+  ]
+
+
+def _assert_close(actual, expected, dtype):
+  tol = _tolerance(dtype)
+  scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+  np.testing.assert_allclose(np.asarray(actual), expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_mode_matches_float64_loop(kwargs, length, reverse):
+  rng = np.random.default_rng(length)
+  a, b = _inputs(rng, (length, 3), np.float32)
+  h0 = rng.normal(size=3).astype(np.float32)
+  expected = references.linear_recurrence(a, b, h0, reverse=reverse)
+  h = linear_recurrence(a, b, h0, reverse=reverse, **kwargs)
+  chex.assert_shape(h, (length, 3))
+  assert h.dtype == jnp.float32
+  _assert_close(h, expected, np.float32)
+
+
+@pytest.mark.parametrize("kwargs", [m for m in MODES if m.get("inner") != "cumsum"],
+                         ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_resets_h0_and_dtypes_match_float64_loop(kwargs, dtype, reverse):
+  rng = np.random.default_rng(1)
+  a, b = _inputs(rng, (29, 2, 3), dtype)
+  h0 = _inputs(rng, (2, 3), dtype)[1]
+  reset = rng.uniform(size=(29, 2, 1)) < 0.2
+  expected = references.linear_recurrence(a, b, h0, reset, reverse=reverse)
+  h, last = linear_recurrence(
+      a, b, h0, reset=reset, reverse=reverse, return_final_state=True, **kwargs
+  )
+  assert h.dtype == dtype
+  _assert_close(h, expected, dtype)
+  _assert_close(last, expected[0 if reverse else -1], dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    length=st.integers(0, 40),
+    batch=st.integers(1, 3),
+    axis=st.sampled_from([0, 1, -1, -2]),
+    a_kind=st.sampled_from(["full", "per_feature", "scalar", "time_only"]),
+    mode=st.sampled_from(["sequential", "parallel", "chunked"]),
+    chunk=st.integers(1, 9),
+    reverse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_axis_and_broadcast_decay_match_loop(
+    length, batch, axis, a_kind, mode, chunk, reverse, seed
+):
+  rng = np.random.default_rng(seed)
+  shape = [batch, 4]
+  time_axis = axis % 3
+  shape.insert(time_axis, length)
+  b = rng.normal(size=shape)
+  a_shape = {
+      "full": tuple(shape),
+      "per_feature": (4,),
+      "scalar": (),
+      "time_only": tuple(n if i == time_axis else 1 for i, n in enumerate(shape)),
+  }[a_kind]
+  a = rng.uniform(0.3, 1.0, a_shape)
+  h = linear_recurrence(a, b, reverse=reverse, axis=axis, mode=mode, chunk_size=chunk)
+  a_full = np.moveaxis(np.broadcast_to(a, shape), time_axis, 0)
+  expected = references.linear_recurrence(a_full, np.moveaxis(b, time_axis, 0), reverse=reverse)
+  np.testing.assert_allclose(h, np.moveaxis(expected, 0, time_axis), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+def test_bfloat16_accumulates_in_float32(mode):
+  rng = np.random.default_rng(2)
+  a, b = _inputs(rng, (500, 4), np.float32, low=0.99)
+  a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+  h = linear_recurrence(a16, b16, mode=mode)
+  assert h.dtype == jnp.bfloat16
+  expected = references.linear_recurrence(np.asarray(a16, np.float64), np.asarray(b16, np.float64))
+  # One bfloat16 rounding of the output (2^-8 relative); a bf16 accumulator drifts far more.
+  scale = np.max(np.abs(expected))
+  np.testing.assert_allclose(np.asarray(h, np.float64), expected, rtol=2**-8, atol=2**-8 * scale)
+
+
+def _sequential_reference(a, b, h0, reset=None, reverse=False):
+  """Plain lax.scan differentiated by JAX autodiff: the gradient reference."""
+  a = jnp.broadcast_to(a, b.shape)
+  reset = jnp.zeros(b.shape, bool) if reset is None else jnp.broadcast_to(reset, b.shape)
+
+  def body(h, x):
+    a_t, b_t, r_t = x
+    h = jnp.where(r_t, b_t, a_t * h + b_t)
+    return h, h
+
+  return lax.scan(body, h0, (a, b, reset), reverse=reverse)[1]
+
+
+GRADIENT_CASES = [
+    (kwargs, reverse, with_reset)
+    for kwargs, reverse, with_reset in itertools.product(MODES[:5], [False, True], [False, True])
+    if not (with_reset and kwargs.get("inner") == "cumsum")  # cumsum takes no `reset`
+]
+
+
+@pytest.mark.parametrize(("kwargs", "reverse", "with_reset"), GRADIENT_CASES,
+                         ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else str(v))
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_gradients_match_autodiff_of_sequential_scan(kwargs, dtype, reverse, with_reset):
+  rng = np.random.default_rng(3)
+  a, b = _inputs(rng, (23, 3), dtype)
+  h0 = _inputs(rng, (3,), dtype)[1]
+  reset = (rng.uniform(size=(23, 1)) < 0.25) if with_reset else None
+  w = _inputs(rng, (23, 3), dtype)[1]
+  loss = lambda f: lambda a, b, h0: jnp.real(jnp.sum(w * f(a, b, h0)))
+  ours = jax.grad(
+      loss(lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse, **kwargs)),
+      argnums=(0, 1, 2),
+  )(a, b, h0)
+  ref = jax.grad(
+      loss(lambda a, b, h0: _sequential_reference(a, b, h0, reset, reverse)), argnums=(0, 1, 2)
+  )(a, b, h0)
+  for g, r in zip(ours, ref, strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_match_finite_differences(mode, reverse):
+  rng = np.random.default_rng(4)
+  a, b = _inputs(rng, (11, 2), np.float64)
+  h0 = rng.normal(size=2)
+  reset = jnp.asarray(rng.uniform(size=(11, 2)) < 0.2)
+  f = lambda a, b, h0: linear_recurrence(
+      a, b, h0, reset=reset, reverse=reverse, mode=mode, chunk_size=3, return_final_state=True
+  )
+  check_grads(f, (a, b, h0), order=2, modes=["rev"], eps=1e-6)
+
+
+@pytest.mark.parametrize("a_shape", [(2,), (), (1, 2), (17, 1)])
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_gradient_of_broadcast_decay_has_its_shape(a_shape, mode):
+  rng = np.random.default_rng(5)
+  a = rng.uniform(0.5, 1.0, a_shape)
+  b = rng.normal(size=(17, 2))
+  f = lambda a: jnp.sum(jnp.sin(linear_recurrence(a, b, mode=mode)))
+  g = jax.grad(f)(a)
+  assert g.shape == a.shape
+  ref = jax.grad(lambda a: jnp.sum(jnp.sin(_sequential_reference(a, b, jnp.zeros(2)))))(a)
+  np.testing.assert_allclose(g, ref, rtol=1e-10)
+
+
+def test_real_decay_complex_input_gives_real_gradient():
+  rng = np.random.default_rng(6)
+  a = rng.uniform(0.5, 1.0, (9, 2))
+  b = rng.normal(size=(9, 2)) + 1j * rng.normal(size=(9, 2))
+  f = lambda a, b: jnp.sum(jnp.abs(linear_recurrence(a, b)) ** 2)
+  ga, gb = jax.grad(f, argnums=(0, 1))(a, b)
+  assert ga.dtype == np.float64 and gb.dtype == np.complex128
+  ref_loss = lambda a, b: jnp.sum(jnp.abs(_sequential_reference(a, b, jnp.zeros(2, b.dtype))) ** 2)
+  ref = jax.grad(ref_loss, argnums=(0, 1))(a, b)
+  np.testing.assert_allclose(ga, ref[0], rtol=1e-10)
+  np.testing.assert_allclose(gb, ref[1], rtol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+def test_nan_before_reset_does_not_leak(mode):
+  a = jnp.full((8, 2), 0.9)
+  b = jnp.ones((8, 2)).at[2].set(jnp.nan)
+  reset = jnp.zeros((8, 1), bool).at[4].set(True)
+  h = linear_recurrence(a, b, reset=reset, mode=mode, chunk_size=3)
+  assert np.isnan(h[2:4]).all() and np.isfinite(h[4:]).all()
+  expected = references.linear_recurrence(np.full((4, 2), 0.9), np.ones((4, 2)))
+  np.testing.assert_allclose(h[4:], expected, rtol=1e-12)
+  # The gradient of the part after the reset does not touch the NaN segment either.
+  g = jax.grad(lambda b: jnp.sum(linear_recurrence(a, b, reset=reset, mode=mode)[4:]))(b)
+  assert np.isfinite(g).all() and (np.asarray(g[:4]) == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_streaming_in_pieces_equals_one_pass(mode, reverse):
+  rng = np.random.default_rng(7)
+  a, b = _inputs(rng, (50, 3), np.float64)
+  whole = linear_recurrence(a, b, reverse=reverse, mode=mode)
+  pieces = [slice(0, 13), slice(13, 14), slice(14, 50)]
+  if reverse:
+    pieces = pieces[::-1]
+  state, outs = None, {}
+  for piece in pieces:
+    outs[piece.start], state = linear_recurrence(
+        a[piece], b[piece], state, reverse=reverse, mode=mode, return_final_state=True
+    )
+  streamed = np.concatenate([outs[k] for k in sorted(outs)])
+  np.testing.assert_allclose(streamed, whole, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("length", [0, 1, 10, 37])
+def test_final_state_path_matches_last_state_and_gradient(mode, reverse, length):
+  rng = np.random.default_rng(8)
+  a, b = _inputs(rng, (length, 3), np.complex128)
+  h0 = _inputs(rng, (3,), np.complex128)[1]
+  reset = rng.uniform(size=(length, 3)) < 0.2
+  kw = dict(reset=reset, reverse=reverse, mode=mode, chunk_size=4)
+  final = linear_recurrence_final_state(a, b, h0, **kw)
+  expected = references.linear_recurrence(a, b, h0, reset, reverse)
+  expected = expected[0 if reverse else -1] if length else h0
+  np.testing.assert_allclose(final, expected, rtol=1e-12)
+  loss = lambda f: lambda a, b, h0: jnp.real(jnp.sum(f(a, b, h0) * jnp.arange(1, 4)))
+  g = jax.grad(loss(lambda *x: linear_recurrence_final_state(*x, **kw)), argnums=(0, 1, 2))(a, b, h0)
+  full = lambda a, b, h0: linear_recurrence(a, b, h0, return_final_state=True, **kw)[1]
+  ref = jax.grad(loss(full), argnums=(0, 1, 2))(a, b, h0)
+  for x, y in zip(g, ref, strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_final_state_path_keeps_no_sequence_of_states():
+  a = jnp.full((4096, 64), 0.99, jnp.float32)
+  b = jnp.ones((4096, 64), jnp.float32)
+  final = jax.jit(lambda a, b: linear_recurrence_final_state(a, b, mode="sequential"))
+  full = jax.jit(lambda a, b: linear_recurrence(a, b, mode="sequential"))
+  states_bytes = 4096 * 64 * 4
+  final_mem = final.lower(a, b).compile().memory_analysis()
+  full_mem = full.lower(a, b).compile().memory_analysis()
+  assert final_mem.temp_size_in_bytes + final_mem.output_size_in_bytes < states_bytes / 16
+  assert full_mem.output_size_in_bytes >= states_bytes
+
+
+def test_cumsum_strategy_is_exact_in_its_domain_and_breaks_outside():
+  rng = np.random.default_rng(9)
+  b = rng.normal(size=(256, 2)).astype(np.float32)
+  safe = rng.uniform(0.9, 1.0, (256, 2)).astype(np.float32)  # 16 * -log(0.9) ~ 1.7 < 20
+  h = linear_recurrence(safe, b, mode="chunked", chunk_size=16, inner="cumsum")
+  _assert_close(h, references.linear_recurrence(safe, b), np.float32)
+  # Decays of 1e-3 over chunks of 32 steps drive the running product to 1e-96: it
+  # underflows in float32 and the closed form divides by zero.
+  tiny = np.full((256, 2), 1e-3, np.float32)
+  h = linear_recurrence(tiny, b, mode="chunked", chunk_size=32, inner="cumsum")
+  assert not np.isfinite(np.asarray(h)).all()
+  assert np.isfinite(np.asarray(linear_recurrence(tiny, b, mode="chunked", chunk_size=32))).all()
+
+
+def test_cumsum_rejects_reset():
+  with pytest.raises(ValueError, match="cumsum"):
+    linear_recurrence(jnp.ones(4), jnp.ones(4), reset=jnp.zeros(4, bool), mode="chunked",
+                      inner="cumsum")
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+def test_jit_equals_no_jit_and_second_call_does_not_retrace(mode):
+  rng = np.random.default_rng(10)
+  a, b = _inputs(rng, (31, 4), np.float32)
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(a, b):
+    return linear_recurrence(a, b, mode=mode, reverse=True)
+
+  first = f(a, b)
+  second = f(a + 0.0, b * 2.0)
+  # Compiled and op-by-op float32 differ only by fused multiply-adds.
+  eager = linear_recurrence(a, b, mode=mode, reverse=True)
+  np.testing.assert_allclose(first, eager, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(second, 2 * np.asarray(first), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(a=jnp.ones((5, 3)), b=jnp.ones((4, 3))), ValueError, "`a`"),
+        (dict(a=jnp.ones(4, jnp.int32), b=jnp.ones(4)), TypeError, "`a`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4, jnp.int32)), TypeError, "`b`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), axis=1), ValueError, "`axis`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), mode="fast"), ValueError, "`mode`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), mode="chunked", chunk_size=0), ValueError, "chunk_size"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), chunk_size=2.5), TypeError, "chunk_size"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), inner="magic"), ValueError, "`inner`"),
+        (dict(a=jnp.ones((4, 3)), b=jnp.ones((4, 3)), h0=jnp.ones(4)), ValueError, "`h0`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(4)), TypeError, "`reset`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(5, bool)), ValueError, "`reset`"),
+        (dict(a=jnp.ones(()), b=jnp.ones(())), ValueError, "`b`"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jax.jit(lambda: linear_recurrence(**kwargs))()
