@@ -1,0 +1,193 @@
+"""`associative_scan`: every operator and mode against a float64 loop and lax.associative_scan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import references
+from ssmkit.scan import Mode, associative_scan, operators
+
+MODES = [
+    dict(mode="sequential"),
+    dict(mode="parallel"),
+    dict(mode="chunked", chunk_size=4, inner="sequential"),
+    dict(mode="chunked", chunk_size=3, inner="parallel"),
+    dict(mode="auto"),
+]
+MODE_IDS = ["sequential", "parallel", "chunked-seq", "chunked-par", "auto"]
+
+
+def _np_affine(x, y):
+  return x[0] * y[0], y[0] * x[1] + y[1]
+
+
+def _np_matrix_affine(x, y):
+  return y[0] @ x[0], np.einsum("...ij,...j->...i", y[0], x[1]) + y[1]
+
+
+def _np_with_resets(fn):
+  def combine(x, y):
+    r1, *v1 = x
+    r2, *v2 = y
+    merged = fn(tuple(v1), tuple(v2))
+    keep = lambda new, old: np.where(r2.reshape(r2.shape + (1,) * (old.ndim - r2.ndim)), old, new)
+    return (r1 | r2, *(keep(n, o) for n, o in zip(merged, v2, strict=True)))
+
+  return combine
+
+
+def _case(name, rng, length):
+  """(operator, elements as a tuple, float64 NumPy operator on tuples)."""
+  x = rng.normal(size=(length, 3))
+  if name == "add":
+    return operators.add, (x,), lambda u, v: (u[0] + v[0],)
+  if name == "maximum":
+    return operators.maximum, (x,), lambda u, v: (np.maximum(u[0], v[0]),)
+  if name == "logaddexp":
+    return operators.logaddexp, (x,), lambda u, v: (np.logaddexp(u[0], v[0]),)
+  if name == "forward_fill":
+    x = np.where(rng.uniform(size=x.shape) < 0.6, 0.0, x)
+    return operators.forward_fill, (x,), lambda u, v: (np.where(v[0] != 0, v[0], u[0]),)
+  if name == "affine":
+    return operators.affine, (rng.uniform(0.5, 1.0, x.shape), x), _np_affine
+  if name == "matrix_affine":
+    a = rng.normal(size=(length, 3, 3)) / 2
+    return operators.matrix_affine, (a, x), _np_matrix_affine
+  if name == "segmented_affine":
+    reset = rng.uniform(size=(length, 3)) < 0.3
+    elems = (reset, rng.uniform(0.5, 1.0, x.shape), x)
+    return operators.with_resets(operators.affine), elems, _np_with_resets(_np_affine)
+  raise ValueError(name)
+
+
+OPERATORS = ["add", "maximum", "logaddexp", "forward_fill", "affine", "matrix_affine",
+             "segmented_affine"]
+
+
+def _structured(name, elems):
+  """The ssmkit element structure: (reset, (a, b)) for the segmented operator."""
+  if name == "segmented_affine":
+    return (elems[0], (elems[1], elems[2]))
+  if len(elems) == 1:
+    return elems[0]
+  return elems
+
+
+def _flat(name, out):
+  return tuple(jax.tree.leaves(out))
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("name", OPERATORS)
+@pytest.mark.parametrize("length", [0, 1, 2, 13, 32])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_operator_and_mode_matches_float64_loop(kwargs, name, length, reverse):
+  rng = np.random.default_rng(length)
+  op, elems, np_op = _case(name, rng, length)
+  out = associative_scan(op, _structured(name, elems), reverse=reverse, **kwargs)
+  expected = references.scan_loop(np_op, elems, reverse=reverse)
+  for got, want in zip(_flat(name, out), expected, strict=True):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_drop_in_for_lax_associative_scan_with_non_commutative_operator(kwargs, reverse):
+  """Matrix products do not commute: the operand order of `reverse` must match lax."""
+  mats = jax.random.normal(jax.random.key(0), (11, 2, 3, 3), jnp.float64)
+  ours = associative_scan(jnp.matmul, mats, reverse=reverse, **kwargs)
+  theirs = lax.associative_scan(jnp.matmul, mats, reverse=reverse)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    length=st.sampled_from([0, 1, 2, 3, 5, 17, 31, 64]),
+    axis=st.sampled_from([0, 1, 2, -1, -3]),
+    mode=st.sampled_from(["sequential", "parallel", "chunked"]),
+    inner=st.sampled_from(["sequential", "parallel"]),
+    chunk=st.integers(1, 10),
+    reverse=st.booleans(),
+)
+def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, reverse):
+  shape = [2, 3]
+  shape.insert(axis % 3, length)
+  rng = np.random.default_rng(length)
+  elems = {"a": rng.uniform(0.5, 1.0, shape), "b": [rng.normal(size=shape)]}
+  fn = lambda x, y: {"a": x["a"] * y["a"], "b": [y["a"] * x["b"][0] + y["b"][0]]}
+  ours = associative_scan(fn, elems, axis=axis, reverse=reverse, mode=mode, inner=inner,
+                          chunk_size=chunk)
+  if length == 0:
+    theirs = elems
+  else:
+    theirs = lax.associative_scan(fn, elems, axis=axis % 3, reverse=reverse)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-12), ours, theirs)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_exclusive_scan_is_shifted_inclusive_scan(kwargs, reverse):
+  x = jnp.arange(1.0, 8.0)
+  inclusive = np.asarray(associative_scan(operators.add, x, reverse=reverse, **kwargs))
+  exclusive = associative_scan(operators.add, x, reverse=reverse, exclusive=True, **kwargs)
+  expected = np.append(inclusive[1:], 0.0) if reverse else np.insert(inclusive[:-1], 0, 0.0)
+  np.testing.assert_array_equal(exclusive, expected)
+  m = associative_scan(operators.maximum, x, exclusive=True, **kwargs)
+  assert m[0] == -np.inf
+
+
+def test_segmented_operator_keeps_nan_inside_its_segment():
+  values = jnp.array([1.0, jnp.nan, 2.0, 3.0, jnp.inf, 1.0])
+  flags = jnp.array([False, False, True, False, True, False])
+  for mode in ["sequential", "parallel", "chunked"]:
+    _, out = associative_scan(operators.with_resets(operators.add), (flags, values), mode=mode,
+                              chunk_size=2)
+    np.testing.assert_array_equal(out, [1.0, np.nan, 2.0, 5.0, np.inf, np.inf])
+    _, out = associative_scan(operators.with_resets(operators.maximum), (flags, -values),
+                              mode=mode, reverse=True)
+    # Reversed, a flag at t cuts t off from t+1: the NaN at 1 reaches 0, never 2.
+    np.testing.assert_array_equal(out, [np.nan, np.nan, -2.0, -3.0, -np.inf, -1.0])
+
+
+def test_matrix_affine_runs_a_second_order_recurrence_in_companion_form():
+  """y_t = c1 y_{t-1} + c2 y_{t-2} + u_t as h_t = A h_{t-1} + (u_t, 0)."""
+  rng = np.random.default_rng(0)
+  c1, c2, u = 0.5, -0.3, rng.normal(size=40)
+  companion = np.broadcast_to(np.array([[c1, c2], [1.0, 0.0]]), (40, 2, 2))
+  b = np.stack([u, np.zeros(40)], axis=1)
+  _, h = associative_scan(operators.matrix_affine, (companion, b), mode="chunked", chunk_size=6)
+  y, prev = np.zeros(40), (0.0, 0.0)
+  for t in range(40):
+    y[t] = c1 * prev[0] + c2 * prev[1] + u[t]
+    prev = (y[t], prev[0])
+  np.testing.assert_allclose(h[:, 0], y, rtol=1e-12, atol=1e-12)
+
+
+def test_modes_are_an_enum_and_strings_are_accepted():
+  x = jnp.arange(5.0)
+  np.testing.assert_array_equal(associative_scan(operators.add, x, mode=Mode.CHUNKED),
+                                associative_scan(operators.add, x, mode="chunked"))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: associative_scan(operators.add, jnp.ones(3), mode="fastest"), ValueError, "`mode`"),
+        (lambda: associative_scan(operators.add, jnp.ones(3), axis=2), ValueError, "`axis`"),
+        (lambda: associative_scan(operators.add, jnp.ones(3), chunk_size=-1), ValueError,
+         "chunk_size"),
+        (lambda: associative_scan(operators.add, (jnp.ones(3), jnp.ones(4))), ValueError, "length"),
+        (lambda: associative_scan(jnp.add, jnp.ones(3), exclusive=True), TypeError, "identity"),
+        (lambda: associative_scan("add", jnp.ones(3)), TypeError, "`fn`"),
+        (lambda: associative_scan(operators.add, jnp.ones(3), inner="cumsum"), ValueError,
+         "`inner`"),
+        (lambda: associative_scan(operators.add, ()), ValueError, "`elems`"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
