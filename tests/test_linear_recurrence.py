@@ -101,9 +101,10 @@ def test_any_axis_and_broadcast_decay_match_loop(
   time_axis = axis % 3
   shape.insert(time_axis, length)
   b = rng.normal(size=shape)
+  feature_axis = 1 if time_axis == 2 else 2  # a given as (1, 4) or (4, 1): right-aligned, lower rank
   a_shape = {
       "full": tuple(shape),
-      "per_feature": (4,),
+      "per_feature": tuple(4 if i == feature_axis else 1 for i in range(3))[1:],
       "scalar": (),
       "time_only": tuple(n if i == time_axis else 1 for i, n in enumerate(shape)),
   }[a_kind]
