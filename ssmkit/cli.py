@@ -34,7 +34,7 @@ def _add_bench_scan(benchmarks: argparse._SubParsersAction) -> None:
       help="'full' (minutes) or 'small' (seconds, for tests); default: full",
   )
   parser.add_argument(
-      "--repeats", type=_positive_int, default=5, help="timed calls per measurement; default: 5"
+      "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
   )
   parser.add_argument("--markdown", action="store_true", help="print a markdown table")
   parser.set_defaults(

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import references
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.test_util import check_grads
 
+import references
 from ssmkit.scan import linear_recurrence, linear_recurrence_final_state
 
 MODES = [

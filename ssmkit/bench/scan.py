@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,18 +129,18 @@ def _methods(axis: int) -> dict[str, Recurrence]:
   def associative(a, b):
     return lax.associative_scan(_affine, (a, b), axis=axis)[1]
 
-  def ssmkit(**options) -> Recurrence:
+  def ours(**options) -> Recurrence:
     return lambda a, b: linear_recurrence(a, b, axis=axis, **options)
 
   return {
       # A user scans one sequence and vmaps over the batch (axis 0, before time).
       SCAN: _scan_baseline if axis == 0 else jax.vmap(_scan_baseline),
       ASSOCIATIVE: associative,
-      AUTO: ssmkit(mode="auto"),
-      "ssmkit sequential": ssmkit(mode="sequential"),
-      "ssmkit parallel": ssmkit(mode="parallel"),
-      "ssmkit chunked/seq": ssmkit(mode="chunked", inner="sequential"),
-      "ssmkit chunked/par": ssmkit(mode="chunked", inner="parallel"),
+      AUTO: ours(mode="auto"),
+      "ssmkit sequential": ours(mode="sequential"),
+      "ssmkit parallel": ours(mode="parallel"),
+      "ssmkit chunked/seq": ours(mode="chunked", inner="sequential"),
+      "ssmkit chunked/par": ours(mode="chunked", inner="parallel"),
   }
 
 
@@ -181,12 +182,14 @@ class Result:
   gradient_compile_s: float
 
 
-def _compile_and_check(shape: Shape, a: Array, b: Array, w: Array) -> dict[str, tuple]:
-  """Compiles every method's forward and gradient and checks them against `lax.scan`'s.
+class _Compiled(NamedTuple):
+  forward: jax.stages.Compiled
+  gradient: jax.stages.Compiled
+  gradient_compile_s: float
 
-  Returns:
-    `{method: (forward, gradient, gradient compile seconds)}`, compiled executables.
-  """
+
+def _compile_and_check(shape: Shape, a: Array, b: Array, w: Array) -> dict[str, _Compiled]:
+  """Compiles every method's forward and gradient and checks them against `lax.scan`'s."""
   compiled = {}
   reference = None
   for name, recurrence in _methods(shape.axis).items():
@@ -197,7 +200,7 @@ def _compile_and_check(shape: Shape, a: Array, b: Array, w: Array) -> dict[str, 
       reference = outputs
     else:
       _check_close(name, shape, outputs, reference)
-    compiled[name] = forward, gradient, compile_s
+    compiled[name] = _Compiled(forward, gradient, compile_s)
   return compiled
 
 
@@ -330,7 +333,7 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
 
   Args:
     shapes: a key of `SUITES`: "full", or "small" for a run of a few seconds.
-    repeats: timed calls per measurement (after one warm-up call); the median is shown.
+    repeats: timed samples per cell, the methods taking turns; the median is shown.
     markdown: print a GitHub markdown table instead of plain text.
 
   Returns:
