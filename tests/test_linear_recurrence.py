@@ -332,3 +332,9 @@ def test_jit_equals_no_jit_and_second_call_does_not_retrace(mode):
 def test_bad_input_raises_naming_the_argument(kwargs, error, match):
   with pytest.raises(error, match=match):
     jax.jit(lambda: linear_recurrence(**kwargs))()
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunked"])
+def test_final_state_with_chunks_longer_than_the_sequence(mode):
+  final = linear_recurrence_final_state(jnp.full(3, 0.5), jnp.ones(3), mode=mode, chunk_size=8)
+  np.testing.assert_allclose(final, references.linear_recurrence(np.full(3, 0.5), np.ones(3))[-1])

@@ -155,7 +155,7 @@ def reduce_leading(
 
   if mode is Mode.SEQUENTIAL or length <= 1:
     return fold(elems)
-  size = chunk_size or default_chunk_size(length)
+  size = min(chunk_size or default_chunk_size(length), length)
   n = -(-length // size)
   pad = identity_like(jax.tree.map(lambda x: x[: n * size - length], elems))
   elems = _concat([elems, pad])

@@ -89,14 +89,14 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
   return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
 
 
-def _adjoint(cfg: _Config, a, g, reset):
+def _adjoint(cfg: _Config, a, g, g_last, reset):
   """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
 
-  The sequential mode carries c = a_t * lambda_t, so it reads a_t at step t: no shifted
-  copy of `a` is made.
+  `g_last`, the cotangent of the final state, enters as lambda after the last step, so
+  `g` (often a caller's buffer) is never copied to add it. The sequential mode carries
+  c = a_t * lambda_t, so it reads a_t at step t: no shifted copy of `a` is made.
   """
   reverse = not cfg.reverse
-  zero = jnp.zeros(g.shape[1:], g.dtype)
   if cfg.mode is Mode.SEQUENTIAL:
     invariant = a.shape[0] == 1
 
@@ -108,15 +108,16 @@ def _adjoint(cfg: _Config, a, g, reset):
         c = jnp.where(r_t, jnp.zeros_like(c), c)
       return c, lam
 
-    dh0, lam = lax.scan(body, zero, (None if invariant else a, g, reset), reverse=reverse)
+    dh0, lam = lax.scan(body, g_last, (None if invariant else a, g, reset), reverse=reverse)
     return lam, dh0
   a = jnp.broadcast_to(a, g.shape)
-  a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))  # any value; 1 keeps cumsum finite
+  # The fill multiplies g_last into the first adjoint step; 1 also keeps cumsum finite.
+  a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))
   r_next = None
   if reset is not None:
     reset = jnp.broadcast_to(reset, g.shape)
     r_next = _shift(reset, cfg.reverse, jnp.zeros_like(reset[0]))
-  _, lam = _scanned(a_next, g, zero, r_next, cfg._replace(reverse=reverse))
+  _, lam = _scanned(a_next, g, g_last, r_next, cfg._replace(reverse=reverse))
   first = _edge(cfg.reverse)
   dh0 = a[first] * lam[first]
   if reset is not None:
@@ -144,8 +145,8 @@ def _recurrence_fwd(cfg, a, b, h0, reset):
   return (h, h_last), (a, b, h0, reset, h)
 
 
-def _gradients(cfg: _Config, a, b, h0, reset, h, g):
-  lam, dh0 = _adjoint(cfg, a, g, reset)
+def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
+  lam, dh0 = _adjoint(cfg, a, g, g_last, reset)
   h_prev = _shift(h, not cfg.reverse, h0)
   da = lam * h_prev
   if reset is not None:
@@ -160,10 +161,9 @@ def _gradients(cfg: _Config, a, b, h0, reset, h, g):
 
 def _recurrence_bwd(cfg, residuals, cotangents):
   a, b, h0, reset, h = residuals
-  g, g_last = cotangents
-  last = 0 if cfg.reverse else -1
-  g = jnp.asarray(g).at[last].add(jnp.asarray(g_last, g.dtype))
-  return _gradients(cfg, a, b, h0, reset, h, g)
+  g, g_last = (jnp.asarray(x) for x in cotangents)
+  dtype = jnp.result_type(h, g, g_last)
+  return _gradients(cfg, a, b, h0, reset, h, g.astype(dtype), g_last.astype(dtype))
 
 
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
@@ -189,9 +189,8 @@ def _final_fwd(cfg, a, b, h0, reset):
 def _final_bwd(cfg, residuals, g_last):
   a, b, h0, reset = residuals
   _, h = _forward(cfg, a, b, h0, reset)  # recomputed: the forward pass kept no states
-  g = jnp.zeros(h.shape, jnp.result_type(h, g_last))
-  g = g.at[0 if cfg.reverse else -1].set(g_last)
-  return _gradients(cfg, a, b, h0, reset, h, g)
+  dtype = jnp.result_type(h, g_last)
+  return _gradients(cfg, a, b, h0, reset, h, jnp.zeros(h.shape, dtype), g_last.astype(dtype))
 
 
 _final.defvjp(_final_fwd, _final_bwd)
