@@ -146,6 +146,8 @@ def _recurrence_fwd(cfg, a, b, h0, reset):
 
 
 def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
+  dtype = jnp.result_type(h, g, g_last)
+  g, g_last = jnp.asarray(g, dtype), jnp.asarray(g_last, dtype)
   lam, dh0 = _adjoint(cfg, a, g, g_last, reset)
   h_prev = _shift(h, not cfg.reverse, h0)
   da = lam * h_prev
@@ -161,9 +163,8 @@ def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
 
 def _recurrence_bwd(cfg, residuals, cotangents):
   a, b, h0, reset, h = residuals
-  g, g_last = (jnp.asarray(x) for x in cotangents)
-  dtype = jnp.result_type(h, g, g_last)
-  return _gradients(cfg, a, b, h0, reset, h, g.astype(dtype), g_last.astype(dtype))
+  g, g_last = cotangents
+  return _gradients(cfg, a, b, h0, reset, h, g, g_last)
 
 
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
@@ -189,8 +190,7 @@ def _final_fwd(cfg, a, b, h0, reset):
 def _final_bwd(cfg, residuals, g_last):
   a, b, h0, reset = residuals
   _, h = _forward(cfg, a, b, h0, reset)  # recomputed: the forward pass kept no states
-  dtype = jnp.result_type(h, g_last)
-  return _gradients(cfg, a, b, h0, reset, h, jnp.zeros(h.shape, dtype), g_last.astype(dtype))
+  return _gradients(cfg, a, b, h0, reset, h, jnp.zeros_like(h), g_last)
 
 
 _final.defvjp(_final_fwd, _final_bwd)
@@ -241,7 +241,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
     reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
   acc = _accumulation_dtype(out_dtype)
-  a_acc = acc if jnp.iscomplexobj(a) else jnp.real(jnp.zeros((), acc)).dtype
+  a_acc = acc if jnp.iscomplexobj(a) else jnp.finfo(acc).dtype
   a = jnp.moveaxis(a.reshape((1,) * (b.ndim - a.ndim) + a.shape), axis, 0).astype(a_acc)
   b = jnp.moveaxis(b, axis, 0).astype(acc)
   h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
