@@ -29,18 +29,33 @@ def _edge(reverse: bool) -> int:
   return -1 if reverse else 0
 
 
+def _row(x: Array, t: Array) -> Array:
+  return lax.dynamic_index_in_dim(x, t, keepdims=False)
+
+
 def _sequential(a: Array, b: Array, h0: Array, reset: Array | None, reverse: bool):
-  """`lax.scan` with a time-invariant `a` closed over instead of streamed."""
+  """A loop that overwrites `b` with `h` in place, a time-invariant `a` closed over.
+
+  Writing into `b` instead of stacking `lax.scan` outputs saves the zero-filled output
+  buffer; when `b` is computed in the same program (the usual case) no copy is made, which
+  halves the time of a memory-bound recurrence on CPU. The carry is read back from the
+  written row: were it computed beside the write, XLA could schedule a read of the old row
+  after the write and would copy the whole buffer every step to stay correct.
+  """
   invariant = a.shape[0] == 1
+  length = b.shape[0]
 
-  def body(h, x):
-    a_t, b_t, r_t = x
-    h = (a[0] if invariant else a_t) * h + b_t
-    if r_t is not None:
-      h = jnp.where(r_t, b_t, h)
-    return h, h
+  def body(i, carry):
+    h, out = carry
+    t = length - 1 - i if reverse else i
+    b_t = _row(out, t)
+    h = (a[0] if invariant else _row(a, t)) * h + b_t
+    if reset is not None:
+      h = jnp.where(_row(reset, t), b_t, h)
+    out = lax.dynamic_update_index_in_dim(out, h, t, 0)
+    return _row(out, t), out
 
-  return lax.scan(body, h0, (None if invariant else a, b, reset), reverse=reverse)
+  return lax.fori_loop(0, length, body, (h0, b))
 
 
 def _cumsum_chunks(chunks, reverse: bool):
@@ -92,23 +107,27 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
 def _adjoint(cfg: _Config, a, g, g_last, reset):
   """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
 
-  `g_last`, the cotangent of the final state, enters as lambda after the last step, so
-  `g` (often a caller's buffer) is never copied to add it. The sequential mode carries
-  c = a_t * lambda_t, so it reads a_t at step t: no shifted copy of `a` is made.
+  `g_last`, the cotangent of the final state, enters as lambda after the last step instead
+  of being added to a copy of `g`. The sequential mode overwrites `g` with lambda in place
+  (as `_sequential` does with `b`, reading lambda_t back from the written row) and carries
+  c = a_t * lambda_t, so it reads a_t at step
+  t: no shifted copy of `a` is made.
   """
   reverse = not cfg.reverse
   if cfg.mode is Mode.SEQUENTIAL:
     invariant = a.shape[0] == 1
+    length = g.shape[0]
 
-    def body(c, x):
-      a_t, g_t, r_t = x
-      lam = g_t + c
-      c = (a[0] if invariant else a_t) * lam
-      if r_t is not None:
-        c = jnp.where(r_t, jnp.zeros_like(c), c)
-      return c, lam
+    def body(i, carry):
+      c, out = carry
+      t = i if cfg.reverse else length - 1 - i
+      out = lax.dynamic_update_index_in_dim(out, _row(out, t) + c, t, 0)
+      c = (a[0] if invariant else _row(a, t)) * _row(out, t)
+      if reset is not None:
+        c = jnp.where(_row(reset, t), jnp.zeros_like(c), c)
+      return c, out
 
-    dh0, lam = lax.scan(body, g_last, (None if invariant else a, g, reset), reverse=reverse)
+    dh0, lam = lax.fori_loop(0, length, body, (g_last, g))
     return lam, dh0
   a = jnp.broadcast_to(a, g.shape)
   # The fill multiplies g_last into the first adjoint step; 1 also keeps cumsum finite.
@@ -196,7 +215,7 @@ def _final_bwd(cfg, residuals, g_last):
 _final.defvjp(_final_fwd, _final_bwd)
 
 
-def _accumulation_dtype(dtype) -> jnp.dtype:
+def accumulation_dtype(dtype) -> jnp.dtype:
   """float32 for 16-bit floats (complex64 stays), else the dtype itself."""
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
@@ -240,7 +259,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
     if inner is Inner.CUMSUM:
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
     reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
-  acc = _accumulation_dtype(out_dtype)
+  acc = accumulation_dtype(out_dtype)
   a_acc = acc if jnp.iscomplexobj(a) else jnp.finfo(acc).dtype
   a = jnp.moveaxis(a.reshape((1,) * (b.ndim - a.ndim) + a.shape), axis, 0).astype(a_acc)
   b = jnp.moveaxis(b, axis, 0).astype(acc)
