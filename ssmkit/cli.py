@@ -1,17 +1,16 @@
 """The `ssmkit` command line.
 
-    ssmkit bench scan [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit bench {scan,rl} [--shapes small|full] [--repeats N] [--markdown]
 
 Each command is a subparser whose `run` default unpacks the parsed flags into a
-library call; a new command (`bench rl`, `train`, ...) adds one subparser.
+library call; a new command (`train`, ...) adds one subparser.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Sequence
-
-from ssmkit.bench import scan as bench_scan
 
 
 def _positive_int(text: str) -> int:
@@ -21,35 +20,39 @@ def _positive_int(text: str) -> int:
   return value
 
 
-def _add_bench_scan(benchmarks: argparse._SubParsersAction) -> None:
-  parser = benchmarks.add_parser(
-      "scan",
-      help="linear_recurrence against lax.scan and lax.associative_scan",
-      description=bench_scan.__doc__.splitlines()[0],
-  )
-  parser.add_argument(
-      "--shapes",
-      choices=tuple(bench_scan.SUITES),
-      default="full",
-      help="'full' (minutes) or 'small' (seconds, for tests); default: full",
-  )
-  parser.add_argument(
-      "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
-  )
-  parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-  parser.set_defaults(
-      run=lambda args: bench_scan.run(
-          shapes=args.shapes, repeats=args.repeats, markdown=args.markdown
-      )
-  )
+_BENCHMARKS = {
+    "scan": ("ssmkit.bench.scan", "linear_recurrence against lax.scan and lax.associative_scan"),
+    "rl": ("ssmkit.bench.rl", "ssmkit.rl return estimators against jit(vmap(rlax)); needs rlax"),
+}
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+  # Imported on use: `bench rl` needs rlax, which the other commands do not.
+  module = importlib.import_module(_BENCHMARKS[args.benchmark][0])
+  return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown)
+
+
+def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
+  benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+  for name, (_, text) in _BENCHMARKS.items():
+    parser = benchmarks.add_parser(name, help=text, description=text)
+    parser.add_argument(
+        "--shapes",
+        choices=("full", "small"),
+        default="full",
+        help="'full' (minutes) or 'small' (seconds, for tests); default: full",
+    )
+    parser.add_argument(
+        "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
+    )
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.set_defaults(run=_run_benchmark)
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="ssmkit", description="ssmkit command line.")
   commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  bench = commands.add_parser("bench", help="run a benchmark and print its table")
-  benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-  _add_bench_scan(benchmarks)
+  _add_benchmarks(commands.add_parser("bench", help="run a benchmark and print its table"))
   return parser
 
 

@@ -33,3 +33,86 @@ def linear_recurrence(a, b, h0=None, reset=None, reverse=False):
     h = np.where(reset[t], b[t], a[t] * h + b[t])
     out[t] = h
   return out
+
+
+def _segments(length, truncated):
+  """[start, end) ranges of the trajectory, each ending after a truncated step or at T."""
+  ends = [t + 1 for t in range(length) if truncated[t]]
+  starts = [0, *ends]
+  ends = [*ends, length] if not ends or ends[-1] != length else ends
+  return [(s, e) for s, e in zip(starts, ends, strict=False) if s < e]
+
+
+def lambda_returns(rewards, discounts, values, lambda_, bootstrap, truncated=None, final_values=None):
+  """Float64 lambda-returns of one trajectory (axis 0), one episode segment at a time.
+
+  The trajectory is split after every truncated step; each segment is an independent
+  trajectory whose last step bootstraps from `final_values` (truncated) or from `bootstrap`
+  (the end of the rollout). `values[t]` is the value after step t.
+  """
+  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
+  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  length = r.shape[0]
+  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
+  out = np.empty(length)
+  for start, end in _segments(length, truncated):
+    tail = float(final_values[end - 1]) if truncated[end - 1] else float(bootstrap)
+    g = tail
+    for t in range(end - 1, start - 1, -1):
+      v_next = tail if t == end - 1 else v[t]
+      lam_t = 0.0 if t == end - 1 else lam[t]
+      g = r[t] + d[t] * ((1 - lam_t) * v_next + lam_t * g)
+      out[t] = g
+  return out
+
+
+def generalized_advantage_estimation(rewards, discounts, values, lambda_, truncated=None,
+                                     final_values=None):
+  """Float64 GAE of one trajectory from its definition: discounted sums of TD errors.
+
+  A_t = sum_k (prod_{j<k} d_j lambda_j) delta_k over the steps k of t's episode segment,
+  with delta_k = r_k + d_k v'_{k+1} - v_k and v' the final value at a truncated step.
+  """
+  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
+  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  length = r.shape[0]
+  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
+  out = np.empty(length)
+  for start, end in _segments(length, truncated):
+    v_next = v[start + 1 : end + 1].copy()
+    if truncated[end - 1]:
+      v_next[-1] = final_values[end - 1]
+    delta = r[start:end] + d[start:end] * v_next - v[start:end]
+    for t in range(start, end):
+      weight, total = 1.0, 0.0
+      for k in range(t, end):
+        total += weight * delta[k - start]
+        weight *= d[k] * lam[k]
+      out[t] = total
+  return out
+
+
+def n_step_returns(rewards, discounts, values, n, lambda_, truncated=None, final_values=None):
+  """Float64 n-step returns of one trajectory: each window recursed on its own.
+
+  The window of step t covers t .. min(t + n, end) - 1, `end` the end of t's episode
+  segment; it bootstraps from the value after its last step (the final value when that
+  step is truncated).
+  """
+  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
+  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  length = r.shape[0]
+  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
+  out = np.empty(length)
+  for start, end in _segments(length, truncated):
+    v_seg = v[start:end].copy()
+    if truncated[end - 1]:
+      v_seg[-1] = final_values[end - 1]
+    for t in range(start, end):
+      last = min(t + n, end) - 1
+      g = v_seg[last - start]
+      for k in range(last, t - 1, -1):
+        lam_k = 0.0 if k == end - 1 and truncated[k] else lam[k]
+        g = r[k] + d[k] * ((1 - lam_k) * v_seg[k - start] + lam_k * g)
+      out[t] = g
+  return out

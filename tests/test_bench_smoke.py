@@ -22,3 +22,14 @@ def test_bench_scan_small_prints_every_method_shape_and_criterion(capsys):
   for shape in ("T=64 D=2", "B=2 T=16 D=2"):
     assert shape in out
   assert out.count("PASS") + out.count("FAIL") == 5  # one line per acceptance criterion
+
+
+def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
+  status = cli.main(["bench", "rl", "--shapes", "small", "--repeats", "2"])
+  out = capsys.readouterr().out
+  assert status == 0
+  for name in ("rlax", "ssmkit auto", "ssmkit sequential", "ssmkit parallel", "ssmkit chunked"):
+    assert f" {name} " in out
+  for case in ("GAE (T, B) T=33 B=4", "returns (B, T) T=17 B=3", "returns T=50"):
+    assert case in out
+  assert out.count("PASS") + out.count("FAIL") == 3  # one line per case

@@ -1,0 +1,399 @@
+"""Return estimators for reinforcement learning, as reverse linear recurrences.
+
+The semantics are rlax's `multistep` functions (Sutton & Barto's notation: `rewards[t]` and
+`discounts[t]` follow the action at step t, and a discount of 0 ends an episode), extended
+with batch axes, a time `axis`, scan modes, and truncation: an episode cut by a time limit
+bootstraps from the value of its final observation instead of reaching into the next episode.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ssmkit._src import checks
+from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+
+
+class _Trajectory(NamedTuple):
+  """Checked inputs in the compute dtype; `values` as the function received them."""
+
+  rewards: Array
+  discounts: Array
+  lambda_: Array
+  values: Array
+  truncated: Array | None
+  final_values: Array | None
+  axis: int
+  out_dtype: jnp.dtype
+
+
+def _floating(x: ArrayLike, name: str) -> Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
+  return x
+
+
+def _scalar_or_per_step(x: ArrayLike, shape: tuple[int, ...], name: str) -> Array:
+  x = _floating(x, name)
+  if x.ndim and x.shape != shape:
+    raise ValueError(
+        f"`{name}` must be a scalar or have the shape of `rewards` {shape}, got {x.shape}."
+    )
+  return x
+
+
+def _check_lambda(lambda_: Array) -> None:
+  """Checks 0 <= lambda_ <= 1 where the value is known at trace time."""
+  if isinstance(lambda_, jax.core.Tracer):
+    return
+  value = np.asarray(lambda_)
+  if not np.all((value >= 0) & (value <= 1)):
+    raise ValueError(f"`lambda_` must lie in [0, 1], got {value if value.ndim == 0 else 'an array'} "
+                     f"with values in [{value.min()}, {value.max()}].")
+
+
+def _trajectory(
+    rewards: ArrayLike,
+    discounts: ArrayLike,
+    values: ArrayLike,
+    lambda_: ArrayLike,
+    truncated: ArrayLike | None,
+    final_values: ArrayLike | None,
+    axis: int,
+) -> _Trajectory:
+  """Checks the arguments every estimator shares and casts them to one compute dtype."""
+  rewards = _floating(rewards, "rewards")
+  if rewards.ndim == 0:
+    raise ValueError("`rewards` must have a time axis, got a scalar.")
+  axis = checks.canonical_axis(axis, rewards.ndim)
+  shape = rewards.shape
+  discounts = _scalar_or_per_step(discounts, shape, "discounts")
+  lambda_ = _scalar_or_per_step(lambda_, shape, "lambda_")
+  _check_lambda(lambda_)
+  values = _floating(values, "values")
+  if (truncated is None) != (final_values is None):
+    raise ValueError(
+        "`truncated` and `final_values` go together: pass both (the flags and the values of "
+        "the final observations of truncated episodes) or neither."
+    )
+  parts = [rewards, discounts, lambda_, values]
+  if truncated is not None:
+    truncated = jnp.asarray(truncated)
+    checks.check_bool(truncated, "truncated")
+    checks.check_shape(truncated, shape, "truncated", "the shape of `rewards`")
+    final_values = _floating(final_values, "final_values")
+    checks.check_shape(final_values, shape, "final_values", "the shape of `rewards`")
+    parts.append(final_values)
+  out_dtype = jnp.result_type(*parts)
+  dtype = accumulation_dtype(out_dtype)
+  if final_values is not None:
+    final_values = final_values.astype(dtype)
+  return _Trajectory(
+      rewards.astype(dtype),
+      discounts.astype(dtype),
+      lambda_.astype(dtype),
+      values.astype(dtype),
+      truncated,
+      final_values,
+      axis,
+      out_dtype,
+  )
+
+
+def _cut_at_truncation(
+    traj: _Trajectory, next_values: Array | None
+) -> tuple[Array | None, Array]:
+  """Bootstrap values and lambdas with truncated steps ending their episode.
+
+  At a truncated step the return stops there: it bootstraps from the final observation's
+  value and takes nothing from the next step (lambda = 0), which belongs to a new episode.
+  `next_values=None` stands for values that no step reads (lambda = 1 everywhere).
+  """
+  if traj.truncated is None:
+    return next_values, traj.lambda_
+  if next_values is None:
+    next_values = jnp.zeros_like(traj.final_values)
+  return (
+      jnp.where(traj.truncated, traj.final_values, next_values),
+      jnp.where(traj.truncated, jnp.zeros_like(traj.lambda_), traj.lambda_),
+  )
+
+
+def _finish(x: Array, traj: _Trajectory, stop_target_gradients: bool) -> Array:
+  x = x.astype(traj.out_dtype)
+  return lax.stop_gradient(x) if stop_target_gradients else x
+
+
+def _lambda_recurrence(
+    traj: _Trajectory,
+    next_values: Array | None,
+    bootstrap: Array | None,
+    mode: str | Mode,
+    stop_target_gradients: bool,
+) -> Array:
+  """G_t = r_t + d_t [(1 - lambda_t) v_t + lambda_t G_{t+1}] backwards from G_T = bootstrap.
+
+  `next_values=None` (discounted returns) drops the value term: G_t = r_t + d_t G_{t+1}.
+  """
+  next_values, lambda_ = _cut_at_truncation(traj, next_values)
+  if next_values is None:
+    decay, inputs = traj.discounts, traj.rewards
+  else:
+    decay = traj.discounts * lambda_
+    inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
+  returns = linear_recurrence(decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode)
+  return _finish(returns, traj, stop_target_gradients)
+
+
+def _last_step(x: Array, axis: int) -> Array | None:
+  """x at the last time step (the batch shape), or None for an empty trajectory."""
+  return None if x.shape[axis] == 0 else lax.index_in_dim(x, -1, axis, keepdims=False)
+
+
+def discounted_returns(
+    rewards: ArrayLike,
+    discounts: ArrayLike,
+    bootstrap_value: ArrayLike = 0.0,
+    *,
+    axis: int = 0,
+    mode: str | Mode = "auto",
+    truncated: ArrayLike | None = None,
+    final_values: ArrayLike | None = None,
+    stop_target_gradients: bool = False,
+) -> Array:
+  """Discounted returns G_t = r_t + d_t G_{t+1}, bootstrapped from `bootstrap_value`.
+
+  Matches `rlax.discounted_returns` on one trajectory, and takes any batch axes.
+
+  Args:
+    rewards: `(..., T, ...)` float rewards, time on `axis`.
+    discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
+    bootstrap_value: value of the state after the last step: a scalar, the batch shape
+      (`rewards` without its time axis), or `rewards`' shape (rlax's per-step `v_t`, of
+      which only the last step is used).
+    axis: time axis of every per-step argument.
+    mode: scan mode, "auto", "sequential", "parallel" or "chunked" (same results).
+    truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
+      limit after that step (see `generalized_advantage_estimation`).
+    final_values: `rewards`' shape: at truncated steps, the value of the final observation
+      of the cut episode; ignored elsewhere.
+    stop_target_gradients: stop gradients from flowing through the returns.
+
+  Returns:
+    Returns with `rewards`' shape, in the promoted dtype of the inputs.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.rl import discounted_returns
+    >>> discounted_returns(jnp.ones(4), jnp.array([0.5, 0.0, 0.5, 0.5]), 2.0)
+    Array([1.5, 1. , 2. , 2. ], dtype=float32)
+  """
+  rewards = _floating(rewards, "rewards")
+  if rewards.ndim == 0:
+    raise ValueError("`rewards` must have a time axis, got a scalar.")
+  axis = checks.canonical_axis(axis, rewards.ndim)
+  bootstrap = _floating(bootstrap_value, "bootstrap_value")
+  batch_shape = rewards.shape[:axis] + rewards.shape[axis + 1 :]
+  if bootstrap.shape == rewards.shape:
+    last = _last_step(bootstrap, axis)
+    bootstrap = jnp.zeros(batch_shape, bootstrap.dtype) if last is None else last
+  elif bootstrap.ndim and bootstrap.shape != batch_shape:
+    raise ValueError(
+        f"`bootstrap_value` must be a scalar, have the batch shape {batch_shape} (`rewards` "
+        f"without axis {axis}) or the shape of `rewards` {rewards.shape}; got {bootstrap.shape}."
+    )
+  traj = _trajectory(rewards, discounts, bootstrap, 1.0, truncated, final_values, axis)
+  bootstrap = jnp.broadcast_to(traj.values, batch_shape)
+  return _lambda_recurrence(traj, None, bootstrap, mode, stop_target_gradients)
+
+
+def lambda_returns(
+    rewards: ArrayLike,
+    discounts: ArrayLike,
+    values: ArrayLike,
+    lambda_: ArrayLike = 1.0,
+    *,
+    axis: int = 0,
+    mode: str | Mode = "auto",
+    truncated: ArrayLike | None = None,
+    final_values: ArrayLike | None = None,
+    stop_target_gradients: bool = False,
+) -> Array:
+  """Lambda-returns G_t = r_t + d_t [(1 - lambda_t) v_t + lambda_t G_{t+1}].
+
+  Matches `rlax.lambda_returns`: `values[t]` is the value of the state reached after step t
+  (rlax's `v_t`), and the last one also bootstraps the last return. With lambda_ = 1 this is
+  the discounted return; with lambda_ = 0 the one-step TD target.
+
+  Args:
+    rewards: `(..., T, ...)` float rewards, time on `axis`.
+    discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
+    values: `rewards`' shape: values of the states after each step.
+    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    axis: time axis of every per-step argument.
+    mode: scan mode, "auto", "sequential", "parallel" or "chunked" (same results).
+    truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
+      limit after that step (see `generalized_advantage_estimation`).
+    final_values: `rewards`' shape: at truncated steps, the value of the final observation
+      of the cut episode (in place of `values`, which holds the next episode's first
+      state in an auto-resetting environment); ignored elsewhere.
+    stop_target_gradients: stop gradients from flowing through the returns.
+
+  Returns:
+    Returns with `rewards`' shape, in the promoted dtype of the inputs.
+  """
+  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
+  bootstrap = _last_step(traj.values, traj.axis)
+  return _lambda_recurrence(traj, traj.values, bootstrap, mode, stop_target_gradients)
+
+
+def generalized_advantage_estimation(
+    rewards: ArrayLike,
+    discounts: ArrayLike,
+    values: ArrayLike,
+    lambda_: ArrayLike,
+    *,
+    axis: int = 0,
+    mode: str | Mode = "auto",
+    truncated: ArrayLike | None = None,
+    final_values: ArrayLike | None = None,
+    stop_target_gradients: bool = False,
+) -> Array:
+  """Generalized advantage estimates A_t = delta_t + d_t lambda_t A_{t+1}.
+
+  delta_t = r_t + d_t v_{t+1} - v_t, as `rlax.truncated_generalized_advantage_estimation`
+  (note the argument order: `values` before `lambda_`).
+
+  Termination and truncation: a discount of 0 marks termination (the episode really ended,
+  nothing follows). An episode cut by a time limit did not end: its last step must
+  bootstrap from the value of its final observation. In an auto-resetting vectorised
+  environment `values[t + 1]` is then the value of the next episode's first state, which
+  rlax would wrongly use. Pass `truncated[t] = True` with `final_values[t]` = v(final
+  observation), and keep the ordinary discount at that step; the advantage then uses
+  delta_t = r_t + d_t final_values[t] - v_t and stops there (A_t = delta_t).
+
+  Args:
+    rewards: `(..., T, ...)` float rewards, time on `axis`.
+    discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
+    values: `rewards`' shape with T + 1 entries on `axis`: v(s_0) ... v(s_T), the last
+      being the bootstrap value after the rollout.
+    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    axis: time axis of every per-step argument.
+    mode: scan mode, "auto", "sequential", "parallel" or "chunked" (same results).
+    truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
+      limit after that step.
+    final_values: `rewards`' shape: at truncated steps, the value of the final observation
+      of the cut episode; ignored elsewhere.
+    stop_target_gradients: stop gradients from flowing through the advantages.
+
+  Returns:
+    Advantages with `rewards`' shape, in the promoted dtype of the inputs.
+
+  Examples:
+    An episode that is cut by a time limit after step 1 bootstraps from its final
+    observation's value (here 10) instead of the next episode's first value (0):
+
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.rl import generalized_advantage_estimation as gae
+    >>> rewards, discounts = jnp.ones(3), jnp.full(3, 0.5)
+    >>> values = jnp.zeros(4)
+    >>> gae(rewards, discounts, values, 1.0)
+    Array([1.75, 1.5 , 1.  ], dtype=float32)
+    >>> gae(rewards, discounts, values, 1.0, truncated=jnp.array([False, True, False]),
+    ...     final_values=jnp.full(3, 10.0))
+    Array([4.  , 6.  , 1.  ], dtype=float32)
+  """
+  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  shape, axis = traj.rewards.shape, traj.axis
+  expected = (*shape[:axis], shape[axis] + 1, *shape[axis + 1 :])
+  checks.check_shape(
+      traj.values, expected, "values", f"T + 1 = {shape[axis] + 1} entries on axis {axis}"
+  )
+  length = shape[axis]
+  v_tm1 = lax.slice_in_dim(traj.values, 0, length, axis=axis)
+  v_t, lambda_ = _cut_at_truncation(traj, lax.slice_in_dim(traj.values, 1, length + 1, axis=axis))
+  deltas = traj.rewards + traj.discounts * v_t - v_tm1
+  advantages = linear_recurrence(
+      traj.discounts * lambda_, deltas, reverse=True, axis=axis, mode=mode
+  )
+  return _finish(advantages, traj, stop_target_gradients)
+
+
+def n_step_returns(
+    rewards: ArrayLike,
+    discounts: ArrayLike,
+    values: ArrayLike,
+    n: int,
+    lambda_: ArrayLike = 1.0,
+    *,
+    axis: int = 0,
+    truncated: ArrayLike | None = None,
+    final_values: ArrayLike | None = None,
+    stop_target_gradients: bool = False,
+) -> Array:
+  """n-step bootstrapped returns: the lambda-return recursion over at most n steps.
+
+  Matches `rlax.n_step_bootstrapped_returns`: the return at t sums rewards t .. t+n-1 and
+  bootstraps from `values[t + n - 1]` (the value after step t+n-1), or from the last value
+  where the window passes the end of the trajectory. A truncated step ends every window
+  that reaches it, bootstrapping from `final_values`.
+
+  Args:
+    rewards: `(..., T, ...)` float rewards, time on `axis`.
+    discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
+    values: `rewards`' shape: values of the states after each step.
+    n: the number of steps, a positive int.
+    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    axis: time axis of every per-step argument.
+    truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
+      limit after that step (see `generalized_advantage_estimation`).
+    final_values: `rewards`' shape: at truncated steps, the value of the final observation
+      of the cut episode; ignored elsewhere.
+    stop_target_gradients: stop gradients from flowing through the returns.
+
+  Returns:
+    Returns with `rewards`' shape, in the promoted dtype of the inputs.
+  """
+  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+    raise ValueError(f"`n` must be a positive int, got {n!r}.")
+  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
+  length = traj.rewards.shape[traj.axis]
+  if length == 0:
+    return _finish(traj.rewards, traj, stop_target_gradients)
+  # Windows longer than the trajectory add nothing: the padding below is the identity.
+  n = min(int(n), length)
+  values, lambda_ = _cut_at_truncation(traj, traj.values)
+
+  def padded(x: Array, fill: Array | float) -> Array:
+    """Time first, then n - 1 steps of `fill` past the end."""
+    x = jnp.moveaxis(jnp.broadcast_to(x, traj.rewards.shape), traj.axis, 0)
+    return jnp.concatenate([x, jnp.broadcast_to(fill, (n - 1, *x.shape[1:]))])
+
+  # Past the end: reward 0, discount 1, lambda 1 and the last value carry the bootstrap.
+  last = jnp.moveaxis(values, traj.axis, 0)[-1:]
+  rewards, discounts = padded(traj.rewards, 0.0), padded(traj.discounts, 1.0)
+  lambda_, values = padded(lambda_, 1.0), padded(values, last)
+
+  def window(x: Array, start: Array | int) -> Array:
+    return lax.dynamic_slice_in_dim(x, start, length)
+
+  def step(k, targets):
+    i = n - 1 - k
+    d = window(discounts, i)
+    lam = window(lambda_, i)
+    return window(rewards, i) + d * ((1 - lam) * window(values, i) + lam * targets)
+
+  returns = lax.fori_loop(0, n, step, window(values, n - 1))
+  return _finish(jnp.moveaxis(returns, 0, traj.axis), traj, stop_target_gradients)
