@@ -221,14 +221,7 @@ def test_references_agree_with_rlax_without_truncation():
 
 
 def test_truncation_worked_example():
-  """Two episodes in one rollout of 4 steps: the first is cut by a time limit after step 1.
-
-  With rewards 1, discount 0.9, lambda 1 and values v(s_t) = 0 except the final observation
-  of the cut episode (value 10), the cut episode's advantages are 1 + 0.9 * 10 = 10 at
-  step 1 and 1 + 0.9 * 10 = 10 at step 0; the next episode's are 1 + 0.9 * 1 = 1.9 and 1.
-  Treating the cut as a termination instead (discount 0) loses the 0.9 * 10 bootstrap,
-  and ignoring it reaches into the next episode.
-  """
+  """The worked example of docs/rl.md: an episode cut after step 1, final value 10."""
   rewards, discounts, values = jnp.ones(4), jnp.full(4, 0.9), jnp.zeros(5)
   truncated = jnp.array([False, True, False, False])
   final_values = jnp.where(truncated, 10.0, 0.0)

@@ -312,7 +312,7 @@ def generalized_advantage_estimation(
     Array([1.75, 1.5 , 1.  ], dtype=float32)
     >>> gae(rewards, discounts, values, 1.0, truncated=jnp.array([False, True, False]),
     ...     final_values=jnp.full(3, 10.0))
-    Array([4.  , 6.  , 1.  ], dtype=float32)
+    Array([4., 6., 1.], dtype=float32)
   """
   traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   shape, axis = traj.rewards.shape, traj.axis
