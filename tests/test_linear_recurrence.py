@@ -195,6 +195,30 @@ def test_gradient_of_broadcast_decay_has_its_shape(a_shape, mode):
   np.testing.assert_allclose(g, ref, rtol=1e-10)
 
 
+@pytest.mark.parametrize("kwargs", MODES[:5], ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("reverse", [False, True])
+def test_decay_as_factors_equals_their_product(kwargs, reverse):
+  rng = np.random.default_rng(8)
+  d = rng.uniform(0.5, 1.0, (19, 3))
+  lam, scale = rng.uniform(0.5, 1.0, (19, 3)), rng.uniform(0.5, 1.0, (3,))
+  b, h0, w = rng.normal(size=(19, 3)), rng.normal(size=3), rng.normal(size=(19, 3))
+  reset = None if kwargs.get("inner") == "cumsum" else rng.uniform(size=(19, 1)) < 0.2
+  expected = references.linear_recurrence(d * lam * scale, b, h0, reset, reverse)
+  run = lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse, **kwargs)
+  _assert_close(run((d, lam, scale), b, h0), expected, np.float64)
+  loss = lambda d, lam, scale, b, h0: jnp.sum(w * run((d, lam, scale), b, h0))
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(d, lam, scale, b, h0)
+  ref = jax.grad(
+      lambda d, lam, scale, b, h0: jnp.sum(
+          w * _sequential_reference(d * lam * scale[None], b, h0, reset, reverse)
+      ),
+      argnums=(0, 1, 2, 3, 4),
+  )(d, lam, scale, b, h0)
+  for g, r in zip(grads, ref, strict=True):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-10)
+
+
 def test_real_decay_complex_input_gives_real_gradient():
   rng = np.random.default_rng(6)
   a = rng.uniform(0.5, 1.0, (9, 2))
@@ -327,6 +351,8 @@ def test_jit_equals_no_jit_and_second_call_does_not_retrace(mode):
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(4)), TypeError, "`reset`"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(5, bool)), ValueError, "`reset`"),
         (dict(a=jnp.ones(()), b=jnp.ones(())), ValueError, "`b`"),
+        (dict(a=(jnp.ones(4), jnp.ones(5)), b=jnp.ones(4)), ValueError, r"`a\[1\]`"),
+        (dict(a=(), b=jnp.ones(4)), ValueError, "`a`"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(kwargs, error, match):

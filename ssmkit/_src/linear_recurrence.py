@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -15,6 +16,8 @@ from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
 from ssmkit._src.operators import affine, with_resets
 
 Array = jax.Array
+# The decay as factors whose product is a_t, each with time leading (length T or 1).
+Decay = tuple[Array, ...]
 
 
 class _Config(NamedTuple):
@@ -33,8 +36,18 @@ def _row(x: Array, t: Array) -> Array:
   return lax.dynamic_index_in_dim(x, t, keepdims=False)
 
 
-def _sequential(a: Array, b: Array, h0: Array, reset: Array | None, reverse: bool):
-  """A loop that overwrites `b` with `h` in place, a time-invariant `a` closed over.
+def _decay_row(a: Decay, t: Array) -> Array:
+  """a_t, multiplied from the factors' rows (a time-invariant factor has one row)."""
+  return functools.reduce(operator.mul, [x[0] if x.shape[0] == 1 else _row(x, t) for x in a])
+
+
+def _decay(a: Decay, shape: tuple[int, ...]) -> Array:
+  """The product of the factors, broadcast to `shape`."""
+  return jnp.broadcast_to(functools.reduce(operator.mul, a), shape)
+
+
+def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: bool):
+  """A loop that overwrites `b` with `h` in place, reading a_t from the factors of `a`.
 
   Writing into `b` instead of stacking `lax.scan` outputs saves the zero-filled output
   buffer; when `b` is computed in the same program (the usual case) no copy is made, which
@@ -42,14 +55,13 @@ def _sequential(a: Array, b: Array, h0: Array, reset: Array | None, reverse: boo
   written row: were it computed beside the write, XLA could schedule a read of the old row
   after the write and would copy the whole buffer every step to stay correct.
   """
-  invariant = a.shape[0] == 1
   length = b.shape[0]
 
   def body(i, carry):
     h, out = carry
     t = length - 1 - i if reverse else i
     b_t = _row(out, t)
-    h = (a[0] if invariant else _row(a, t)) * h + b_t
+    h = _decay_row(a, t) * h + b_t
     if reset is not None:
       h = jnp.where(_row(reset, t), b_t, h)
     out = lax.dynamic_update_index_in_dim(out, h, t, 0)
@@ -68,7 +80,6 @@ def _cumsum_chunks(chunks, reverse: bool):
 def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
   """The parallel and chunked modes: the affine operator through the scan engine."""
   first = _edge(cfg.reverse)
-  a = jnp.broadcast_to(a, b.shape)
   entry = a[first] * h0 + b[first]
   if reset is not None:
     reset = jnp.broadcast_to(reset, b.shape)
@@ -92,10 +103,10 @@ def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
   return h[0 if cfg.reverse else -1], h
 
 
-def _forward(cfg: _Config, a, b, h0, reset):
+def _forward(cfg: _Config, a: Decay, b, h0, reset):
   if cfg.mode is Mode.SEQUENTIAL:
     return _sequential(a, b, h0, reset, cfg.reverse)
-  return _scanned(a, b, h0, reset, cfg)
+  return _scanned(_decay(a, b.shape), b, h0, reset, cfg)
 
 
 def _shift(x: Array, reverse: bool, fill: Array) -> Array:
@@ -104,7 +115,7 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
   return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
 
 
-def _adjoint(cfg: _Config, a, g, g_last, reset):
+def _adjoint(cfg: _Config, a: Decay, g, g_last, reset):
   """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
 
   `g_last`, the cotangent of the final state, enters as lambda after the last step instead
@@ -115,21 +126,20 @@ def _adjoint(cfg: _Config, a, g, g_last, reset):
   """
   reverse = not cfg.reverse
   if cfg.mode is Mode.SEQUENTIAL:
-    invariant = a.shape[0] == 1
     length = g.shape[0]
 
     def body(i, carry):
       c, out = carry
       t = i if cfg.reverse else length - 1 - i
       out = lax.dynamic_update_index_in_dim(out, _row(out, t) + c, t, 0)
-      c = (a[0] if invariant else _row(a, t)) * _row(out, t)
+      c = _decay_row(a, t) * _row(out, t)
       if reset is not None:
         c = jnp.where(_row(reset, t), jnp.zeros_like(c), c)
       return c, out
 
     dh0, lam = lax.fori_loop(0, length, body, (g_last, g))
     return lam, dh0
-  a = jnp.broadcast_to(a, g.shape)
+  a = _decay(a, g.shape)
   # The fill multiplies g_last into the first adjoint step; 1 also keeps cumsum finite.
   a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))
   r_next = None
@@ -172,8 +182,12 @@ def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
   da = lam * h_prev
   if reset is not None:
     da = jnp.where(reset, jnp.zeros_like(da), da)
+  factor_cotangents = tuple(
+      _cotangent_like(functools.reduce(operator.mul, [*a[:i], *a[i + 1 :]], da), x)
+      for i, x in enumerate(a)
+  )
   return (
-      _cotangent_like(da, a),
+      factor_cotangents,
       _cotangent_like(lam, b),
       _cotangent_like(dh0, h0),
       None,
@@ -190,8 +204,8 @@ _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _final(cfg: _Config, a, b, h0, reset):
-  a = jnp.broadcast_to(a, b.shape)
+def _final(cfg: _Config, a: Decay, b, h0, reset):
+  a = _decay(a, b.shape)
   if reset is None:
     total_a, total_b = reduce_leading(affine, (a, b), mode=cfg.mode, reverse=cfg.reverse,
                                       chunk_size=cfg.chunk_size)
@@ -225,7 +239,7 @@ def accumulation_dtype(dtype) -> jnp.dtype:
 
 class _Prepared(NamedTuple):
   cfg: _Config
-  a: Array
+  a: Decay
   b: Array
   h0: Array
   reset: Array | None
@@ -235,8 +249,14 @@ class _Prepared(NamedTuple):
 
 def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepared:
   """Checks the arguments, moves time to the front and casts to the accumulation dtype."""
-  a, b = jnp.asarray(a), jnp.asarray(b)
-  checks.check_inexact(a, "a")
+  factors = tuple(a) if isinstance(a, (tuple, list)) else (a,)
+  if not factors:
+    raise ValueError("`a` must be an array or a non-empty tuple of factors, got ().")
+  names = ["a"] if len(factors) == 1 else [f"a[{i}]" for i in range(len(factors))]
+  factors = tuple(jnp.asarray(x) for x in factors)
+  b = jnp.asarray(b)
+  for x, name in zip(factors, names, strict=True):
+    checks.check_inexact(x, name)
   checks.check_inexact(b, "b")
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
@@ -244,9 +264,10 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
   if b.ndim == 0:
     raise ValueError("`b` must have a time axis, got a scalar.")
   axis = checks.canonical_axis(axis, b.ndim)
-  checks.check_broadcasts_to(a, b.shape, "a", "b")
+  for x, name in zip(factors, names, strict=True):
+    checks.check_broadcasts_to(x, b.shape, name, "b")
   state_shape = b.shape[:axis] + b.shape[axis + 1 :]
-  out_dtype = jnp.result_type(a, b)
+  out_dtype = jnp.result_type(*factors, b)
   if h0 is not None:
     h0 = jnp.asarray(h0)
     checks.check_inexact(h0, "h0")
@@ -260,8 +281,12 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
     reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
   acc = accumulation_dtype(out_dtype)
-  a_acc = acc if jnp.iscomplexobj(a) else jnp.finfo(acc).dtype
-  a = jnp.moveaxis(a.reshape((1,) * (b.ndim - a.ndim) + a.shape), axis, 0).astype(a_acc)
+  a = tuple(
+      jnp.moveaxis(x.reshape((1,) * (b.ndim - x.ndim) + x.shape), axis, 0).astype(
+          acc if jnp.iscomplexobj(x) else jnp.finfo(acc).dtype
+      )
+      for x in factors
+  )
   b = jnp.moveaxis(b, axis, 0).astype(acc)
   h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
   cfg = _Config(bool(reverse), resolve_mode(mode, b.shape[0]), chunk_size, inner)
@@ -269,7 +294,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
 
 
 def linear_recurrence(
-    a: Array,
+    a: Array | tuple[Array, ...],
     b: Array,
     h0: Array | None = None,
     *,
@@ -296,7 +321,9 @@ def linear_recurrence(
 
   Args:
     a: decay, real or complex, broadcastable to `b` without changing `b`'s shape: per step
-      and feature `(..., T, ...)`, per feature `(D,)`, time-invariant scalar `()`.
+      and feature `(..., T, ...)`, per feature `(D,)`, time-invariant scalar `()`. Or a
+      tuple of such factors whose product is the decay, e.g. `(discounts, lambda_)`: the
+      sequential mode multiplies them step by step instead of storing the product.
     b: input `(..., T, ...)` with time on `axis`, real or complex.
     h0: initial state, `b`'s shape without the time axis; default zeros.
     reset: optional boolean flags broadcastable to `b` (e.g. `(T, B, 1)` for `b` of
@@ -341,7 +368,7 @@ def linear_recurrence(
 
 
 def linear_recurrence_final_state(
-    a: Array,
+    a: Array | tuple[Array, ...],
     b: Array,
     h0: Array | None = None,
     *,

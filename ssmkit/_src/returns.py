@@ -24,7 +24,7 @@ ArrayLike = jax.typing.ArrayLike
 
 
 class _Trajectory(NamedTuple):
-  """Checked inputs in the compute dtype; `values` as the function received them."""
+  """Checked inputs cast to the compute dtype; each estimator checks its own `values`."""
 
   rewards: Array
   discounts: Array
@@ -43,6 +43,14 @@ def _floating(x: ArrayLike, name: str) -> Array:
   return x
 
 
+def _rewards(rewards: ArrayLike, axis: int) -> tuple[Array, int]:
+  """`rewards` checked, and its time axis in [0, ndim)."""
+  rewards = _floating(rewards, "rewards")
+  if rewards.ndim == 0:
+    raise ValueError("`rewards` must have a time axis, got a scalar.")
+  return rewards, checks.canonical_axis(axis, rewards.ndim)
+
+
 def _scalar_or_per_step(x: ArrayLike, shape: tuple[int, ...], name: str) -> Array:
   x = _floating(x, name)
   if x.ndim and x.shape != shape:
@@ -58,8 +66,7 @@ def _check_lambda(lambda_: Array) -> None:
     return
   value = np.asarray(lambda_)
   if not np.all((value >= 0) & (value <= 1)):
-    raise ValueError(f"`lambda_` must lie in [0, 1], got {value if value.ndim == 0 else 'an array'} "
-                     f"with values in [{value.min()}, {value.max()}].")
+    raise ValueError(f"`lambda_` must lie in [0, 1], got values in [{value.min()}, {value.max()}].")
 
 
 def _trajectory(
@@ -72,10 +79,7 @@ def _trajectory(
     axis: int,
 ) -> _Trajectory:
   """Checks the arguments every estimator shares and casts them to one compute dtype."""
-  rewards = _floating(rewards, "rewards")
-  if rewards.ndim == 0:
-    raise ValueError("`rewards` must have a time axis, got a scalar.")
-  axis = checks.canonical_axis(axis, rewards.ndim)
+  rewards, axis = _rewards(rewards, axis)
   shape = rewards.shape
   discounts = _scalar_or_per_step(discounts, shape, "discounts")
   lambda_ = _scalar_or_per_step(lambda_, shape, "lambda_")
@@ -149,7 +153,8 @@ def _lambda_recurrence(
   if next_values is None:
     decay, inputs = traj.discounts, traj.rewards
   else:
-    decay = traj.discounts * lambda_
+    # Factors, not their product: the sequential scan multiplies them step by step.
+    decay = (traj.discounts, lambda_)
     inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
   returns = linear_recurrence(decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode)
   return _finish(returns, traj, stop_target_gradients)
@@ -198,10 +203,7 @@ def discounted_returns(
     >>> discounted_returns(jnp.ones(4), jnp.array([0.5, 0.0, 0.5, 0.5]), 2.0)
     Array([1.5, 1. , 2. , 2. ], dtype=float32)
   """
-  rewards = _floating(rewards, "rewards")
-  if rewards.ndim == 0:
-    raise ValueError("`rewards` must have a time axis, got a scalar.")
-  axis = checks.canonical_axis(axis, rewards.ndim)
+  rewards, axis = _rewards(rewards, axis)
   bootstrap = _floating(bootstrap_value, "bootstrap_value")
   batch_shape = rewards.shape[:axis] + rewards.shape[axis + 1 :]
   if bootstrap.shape == rewards.shape:
@@ -325,7 +327,7 @@ def generalized_advantage_estimation(
   v_t, lambda_ = _cut_at_truncation(traj, lax.slice_in_dim(traj.values, 1, length + 1, axis=axis))
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
-      traj.discounts * lambda_, deltas, reverse=True, axis=axis, mode=mode
+      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode
   )
   return _finish(advantages, traj, stop_target_gradients)
 
