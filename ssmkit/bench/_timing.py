@@ -49,10 +49,11 @@ def interleaved_medians(
 
   Each thunk is called once to warm up and once to estimate its time; then `repeats`
   rounds time every thunk in turn, so a slow drift of the machine (other load, memory
-  state) reaches all of them alike. A sample of a fast thunk averages enough calls to
-  last about `min_sample_s`, above the timer's and the dispatcher's noise. Every call is
-  waited for with `jax.block_until_ready`, so the time covers the computation and not
-  only its dispatch.
+  state) reaches all of them alike; the order rotates from round to round, so what a
+  thunk leaves behind (freed buffers, evicted caches) does not always fall on the same
+  next one. A sample of a fast thunk averages enough calls to last about `min_sample_s`,
+  above the timer's and the dispatcher's noise. Every call is waited for with
+  `jax.block_until_ready`, so the time covers the computation and not only its dispatch.
 
   Args:
     thunks: the functions to time, called without arguments, by name.
@@ -67,9 +68,11 @@ def interleaved_medians(
     _call_seconds(thunk, 1)
     calls[name] = max(1, math.ceil(min_sample_s / _call_seconds(thunk, 1)))
   samples = {name: [] for name in thunks}
-  for _ in range(repeats):
-    for name, thunk in thunks.items():
-      samples[name].append(_call_seconds(thunk, calls[name]))
+  names = list(thunks)
+  for round_ in range(repeats):
+    # Each round starts one thunk later, so no thunk always runs right after the same one.
+    for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+      samples[name].append(_call_seconds(thunks[name], calls[name]))
   return {name: statistics.median(times) for name, times in samples.items()}
 
 
