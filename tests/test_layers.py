@@ -1,0 +1,186 @@
+"""`ssmkit.layers`: one contract every layer meets, then each layer against its paper."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ssmkit import layers
+
+# Every layer, small enough for fast tests.
+LAYERS = {
+    "LRU": lambda: layers.LRU(d_state=6),
+}
+MODES = ["sequential", "parallel", "chunked", "auto"]
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _resets(shape, seed=1):
+  return jax.random.bernoulli(jax.random.key(seed), 0.2, shape)
+
+
+def _stepped(layer, params, x, reset=None):
+  """The layer's step method over time (axis -2), from the zero state."""
+  state = layer.initialize_state(x[..., 0, :].shape)
+  ys = []
+  for t in range(x.shape[-2]):
+    r_t = None if reset is None else reset[..., t]
+    state, y_t = layer.apply(params, state, x[..., t, :], r_t, method="step")
+    ys.append(y_t)
+  return jnp.stack(ys, axis=-2)
+
+
+def _assert_close(actual, expected, rtol=1e-5):
+  scale = float(jnp.max(jnp.abs(expected)))
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=rtol * scale)
+
+
+@pytest.fixture(params=list(LAYERS))
+def layer(request):
+  return LAYERS[request.param]()
+
+
+@pytest.mark.parametrize("with_reset", [False, True])
+def test_sequence_equals_step_by_step(layer, with_reset):
+  x = _x((2, 13, 4))
+  reset = _resets((2, 13)) if with_reset else None
+  params = layer.init(jax.random.key(0), x)
+  _assert_close(layer.apply(params, x, reset), _stepped(layer, params, x, reset))
+
+
+def test_every_mode_agrees(layer):
+  x, reset = _x((3, 37, 4)), _resets((3, 37))
+  params = layer.init(jax.random.key(0), x)
+  reference = layer.apply(params, x, reset, mode="sequential")
+  for mode in MODES:
+    _assert_close(layer.apply(params, x, reset, mode=mode), reference)
+
+
+def test_reset_cuts_information_flow(layer):
+  x = _x((1, 20, 4))
+  reset = jnp.zeros((1, 20), bool).at[0, 9].set(True)
+  params = layer.init(jax.random.key(0), x)
+  changed = x.at[:, :9].set(_x((1, 9, 4), seed=5))
+  y, y_changed = layer.apply(params, x, reset), layer.apply(params, changed, reset)
+  np.testing.assert_array_equal(y[:, 9:], y_changed[:, 9:])
+  assert not np.allclose(y[:, :9], y_changed[:, :9])
+  # Without the reset the change does reach the later steps.
+  assert not np.allclose(layer.apply(params, x)[:, 9:], layer.apply(params, changed)[:, 9:])
+
+
+def test_jit_vmap_and_shapes(layer):
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  y = layer.apply(params, x)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  _assert_close(jax.jit(layer.apply)(params, x), y)
+  _assert_close(jax.vmap(layer.apply, in_axes=(None, 0))(params, x), y)
+  assert layer.apply(params, x[0]).shape == (9, 4)  # no batch axis
+
+
+def test_bfloat16_inputs_keep_their_dtype(layer):
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  y = layer.apply(params, x.astype(jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  _assert_close(y.astype(jnp.float32), layer.apply(params, x.astype(jnp.bfloat16).astype(jnp.float32)),
+                rtol=2e-2)
+
+
+def test_gradients_are_finite(layer):
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  grads = jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
+  for g in jax.tree.leaves(grads):
+    assert np.all(np.isfinite(g)) and np.any(g != 0)
+
+
+class _StepCell(nn.Module):
+  """A layer's step as a linen cell, `(state, x_t) -> (state, y_t)`."""
+
+  layer: nn.Module
+
+  def __call__(self, state, x_t):
+    return self.layer.step(state, x_t)
+
+
+def test_inside_nn_scan(layer):
+  x = _x((2, 7, 4))
+  scanned = nn.scan(_StepCell, variable_broadcast="params", split_rngs={"params": False},
+                    in_axes=1, out_axes=1)(layer=layer)
+  state = layer.initialize_state((2, 4))
+  variables = scanned.init(jax.random.key(0), state, x)
+  _, y = scanned.apply(variables, state, x)
+  _assert_close(y, layer.apply({"params": variables["params"]["layer"]}, x))
+
+
+def test_from_nnx_through_the_bridge(layer):
+  x = _x((2, 7, 4))
+  model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
+  nnx.bridge.lazy_init(model, x)
+  params = {
+      name: value.value for name, value in vars(model).items() if isinstance(value, nnx.Param)
+  }
+  _assert_close(model(x), layer.apply({"params": params}, x))
+
+
+def test_bad_input_names_the_argument(layer):
+  x = _x((2, 7, 4))
+  params = layer.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="`reset`"):
+    layer.apply(params, x, jnp.zeros((2, 6), bool))
+  with pytest.raises(TypeError, match="`reset`"):
+    layer.apply(params, x, jnp.zeros((2, 7)))
+  with pytest.raises(ValueError, match="`x`"):
+    layer.apply(params, x[0, 0])
+
+
+def _lru_reference(params, x, reset=None):
+  """The paper's recurrence in float64 NumPy, from the parameters."""
+  p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
+  lam = np.exp(-np.exp(p["nu_log"]) + 1j * np.exp(p["theta_log"]))
+  b = (p["B_re"] + 1j * p["B_im"]) * np.exp(p["gamma_log"])[:, None]
+  c = p["C_re"] + 1j * p["C_im"]
+  x = np.asarray(x, np.float64)
+  h = np.zeros(lam.shape, complex)
+  ys = []
+  for t in range(x.shape[0]):
+    if reset is not None and reset[t]:
+      h = np.zeros_like(h)
+    h = lam * h + b @ x[t]
+    ys.append((c @ h).real + p["D"] * x[t])
+  return np.stack(ys)
+
+
+def test_lru_matches_float64_reference():
+  layer = layers.LRU(d_state=5)
+  x = _x((31, 3))
+  reset = np.asarray(_resets((31,)))
+  params = layer.init(jax.random.key(2), x)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset)), _lru_reference(params, x, reset))
+
+
+def test_lru_initialisation_follows_the_paper():
+  layer = layers.LRU(d_state=512, r_min=0.4, r_max=0.9, max_phase=np.pi / 4)
+  params = layer.init(jax.random.key(3), _x((1, 8)))["params"]
+  lam = np.exp(-np.exp(np.asarray(params["nu_log"], np.float64))
+               + 1j * np.exp(np.asarray(params["theta_log"], np.float64)))
+  radius, phase = np.abs(lam), np.angle(lam) % (2 * np.pi)
+  assert radius.min() >= 0.4 - 1e-6 and radius.max() <= 0.9 + 1e-6
+  assert phase.min() >= 0 and phase.max() <= np.pi / 4 + 1e-6
+  # Uniform on the ring: r^2 is uniform in [r_min^2, r_max^2], so its mean is the midpoint.
+  assert np.mean(radius**2) == pytest.approx((0.4**2 + 0.9**2) / 2, abs=0.03)
+  np.testing.assert_allclose(np.exp(params["gamma_log"]), np.sqrt(1 - radius**2), rtol=1e-5)
+  # B ~ N(0, 1 / (2 H)) per part, C ~ N(0, 1 / N) per part, D ~ N(0, 1).
+  assert np.std(params["B_re"]) == pytest.approx(1 / np.sqrt(2 * 8), rel=0.1)
+  assert np.std(params["C_im"]) == pytest.approx(1 / np.sqrt(512), rel=0.1)
+
+
+def test_lru_rejects_a_ring_outside_the_unit_disk():
+  with pytest.raises(ValueError, match="r_max"):
+    layers.LRU(r_min=0.5, r_max=1.0).init(jax.random.key(0), _x((4, 2)))
