@@ -56,8 +56,11 @@ def test_diagonalization_reconstructs_hippo_n(n):
 @pytest.mark.parametrize("n", [1, 4, 32])
 def test_s4d_initialisations(n):
   np.testing.assert_allclose(hippo.s4d_lin(n), [-0.5 + 1j * np.pi * k for k in range(n)])
-  eigenvalues = hippo.s4d_legs(n)
-  assert eigenvalues.shape == (n,)
+  eigenvalues, b = hippo.s4d_legs(n)
+  assert eigenvalues.shape == b.shape == (n,)
+  _, v, b_all = hippo.legs_normal_diagonalized(2 * n)
+  np.testing.assert_allclose(b, b_all[hippo.legs_normal_diagonalized(2 * n).eigenvalues.imag > 0])
+  np.testing.assert_allclose(v @ b_all, hippo.legs(2 * n)[1], atol=1e-8 * n)
   full = np.linalg.eigvals(hippo.legs_normal(2 * n)[0])
   np.testing.assert_allclose(
       eigenvalues, _by_imag(full[full.imag > 0]), atol=1e-8 * n

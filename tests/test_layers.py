@@ -8,10 +8,13 @@ import pytest
 from flax import nnx
 
 from ssmkit import layers
+from ssmkit._src import hippo
 
 # Every layer, small enough for fast tests.
 LAYERS = {
     "LRU": lambda: layers.LRU(d_state=6),
+    "S4D": lambda: layers.S4D(d_state=6),
+    "S4D-lin-bilinear": lambda: layers.S4D(d_state=4, a_init="lin", discretization="bilinear"),
 }
 MODES = ["sequential", "parallel", "chunked", "auto"]
 
@@ -184,3 +187,87 @@ def test_lru_initialisation_follows_the_paper():
 def test_lru_rejects_a_ring_outside_the_unit_disk():
   with pytest.raises(ValueError, match="r_max"):
     layers.LRU(r_min=0.5, r_max=1.0).init(jax.random.key(0), _x((4, 2)))
+
+
+def _s4d_kernel_reference(params, length):
+  """K[l, h] = 2 Re sum_n C B_bar A_bar^l in float64, A_bar^l by repeated products."""
+  p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
+  a = -np.exp(p["log_a_real"]) + 1j * p["a_imag"]
+  dt = np.exp(p["log_dt"])[:, None]
+  a_bar = np.exp(dt * a)
+  b_bar = (a_bar - 1) / a * (p["B_re"] + 1j * p["B_im"])
+  c = p["C_re"][0] + 1j * p["C_im"][0]
+  power, kernel = np.ones_like(a_bar), []
+  for _ in range(length):
+    kernel.append(2 * np.sum(c * b_bar * power, axis=-1).real)
+    power = power * a_bar
+  return np.stack(kernel)
+
+
+def test_s4d_kernel_matches_direct_evaluation():
+  layer = layers.S4D(d_state=8)
+  x = _x((40, 3))
+  params = layer.init(jax.random.key(4), x)
+  kernel = layer.apply(params, 40, 3, method="kernel")
+  _assert_close(kernel[0], _s4d_kernel_reference(params, 40))
+  # The convolution mode is the causal convolution with that kernel, plus D u.
+  direct = np.stack([
+      sum(np.asarray(kernel[0, lag]) * np.asarray(x[t - lag]) for lag in range(t + 1)) for t in range(40)
+  ]) + np.asarray(params["params"]["D"]) * np.asarray(x)
+  _assert_close(layer.apply(params, x, mode="convolution"), direct)
+
+
+@pytest.mark.parametrize("discretization", ["zoh", "bilinear"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_s4d_convolution_equals_recurrence(discretization, bidirectional):
+  layer = layers.S4D(d_state=8, discretization=discretization, bidirectional=bidirectional)
+  x = _x((2, 29, 3))
+  params = layer.init(jax.random.key(5), x)
+  convolution = layer.apply(params, x, mode="convolution")
+  assert np.asarray(layer.apply(params, x) == convolution).all()  # auto convolves
+  for mode in ["sequential", "parallel", "chunked"]:
+    _assert_close(layer.apply(params, x, mode=mode), convolution)
+
+
+def test_bidirectional_s4d_keeps_episodes_apart():
+  layer = layers.S4D(d_state=8, bidirectional=True)
+  x = _x((1, 20, 3))
+  reset = jnp.zeros((1, 20), bool).at[0, 9].set(True)
+  params = layer.init(jax.random.key(6), x)
+  y = layer.apply(params, x, reset)
+  before = layer.apply(params, x.at[:, :9].set(0.0), reset)
+  after = layer.apply(params, x.at[:, 9:].set(0.0), reset)
+  np.testing.assert_array_equal(y[:, 9:], before[:, 9:])
+  np.testing.assert_array_equal(y[:, :9], after[:, :9])
+  assert not np.allclose(layer.apply(params, x)[:, :9], layer.apply(params, x.at[:, 9:].set(0.0))[:, :9])
+  with pytest.raises(ValueError, match="no step mode"):
+    layer.apply(params, layer.initialize_state((1, 3)), x[:, 0], method="step")
+
+
+@pytest.mark.parametrize("a_init", ["legs", "lin"])
+def test_s4d_initialisation(a_init):
+  params = layers.S4D(d_state=16, a_init=a_init, dt_min=0.01, dt_max=0.2).init(
+      jax.random.key(7), _x((5, 64)))["params"]
+  a = -np.exp(params["log_a_real"]) + 1j * np.asarray(params["a_imag"])
+  b = np.asarray(params["B_re"]) + 1j * np.asarray(params["B_im"])
+  if a_init == "lin":
+    expected_a, expected_b = -0.5 + 1j * np.pi * np.arange(8), np.ones(8)
+  else:
+    expected_a, expected_b = hippo.s4d_legs(8)
+  np.testing.assert_allclose(a, np.broadcast_to(expected_a, (64, 8)), rtol=1e-5)
+  np.testing.assert_allclose(b, np.broadcast_to(expected_b, (64, 8)), rtol=1e-5, atol=1e-6)
+  dt = np.exp(params["log_dt"])
+  assert dt.min() >= 0.01 * (1 - 1e-5) and dt.max() <= 0.2 * (1 + 1e-5)
+
+
+def test_s4d_rejects_bad_configuration():
+  x = _x((4, 2))
+  with pytest.raises(ValueError, match="`d_state`"):
+    layers.S4D(d_state=5).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="`a_init`"):
+    layers.S4D(a_init="inv").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="`discretization`"):
+    layers.S4D(discretization="euler").init(jax.random.key(0), x)
+  params = layers.S4D(d_state=4).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="cannot take `reset`"):
+    layers.S4D(d_state=4).apply(params, x, jnp.zeros(4, bool), mode="convolution")

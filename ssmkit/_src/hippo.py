@@ -72,15 +72,17 @@ def s4d_lin(n: int) -> np.ndarray:
   return -0.5 + 1j * np.pi * np.arange(n)
 
 
-def s4d_legs(n: int) -> np.ndarray:
-  """S4D-LegS: the eigenvalues of HiPPO-N of size 2n with positive imaginary part.
+def s4d_legs(n: int) -> tuple[np.ndarray, np.ndarray]:
+  """S4D-LegS: the eigenvalues of HiPPO-N of size 2n with positive imaginary part, and B.
 
   Those of size 2n come in conjugate pairs (and the real layer keeps one of each pair), so
-  n of them are returned, sorted by imaginary part.
+  n are returned, sorted by imaginary part, with the HiPPO-LegS input vector in the same
+  eigenbasis (V^H B), both complex128.
   """
   _check_size(n)
-  eigenvalues = legs_normal_diagonalized(2 * n).eigenvalues
-  return eigenvalues[eigenvalues.imag > 0]
+  eigenvalues, _, b = legs_normal_diagonalized(2 * n)
+  keep = eigenvalues.imag > 0
+  return eigenvalues[keep], b[keep]
 
 
 def _check_size(n: int) -> None:

@@ -1,5 +1,6 @@
 """Flax linen SSM layers with whole-sequence and step-by-step modes that agree."""
 
 from ssmkit._src.layers.lru import LRU
+from ssmkit._src.layers.s4d import S4D
 
-__all__ = ["LRU"]
+__all__ = ["LRU", "S4D"]

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src import checks
+from ssmkit._src.layers import common
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
 
@@ -90,7 +90,7 @@ class LRU(nn.Module):
     return jax.lax.complex(x @ b_re.T, x @ b_im.T)
 
   def _output(self, h: Array, x: Array, c_re: Array, c_im: Array, d: Array) -> Array:
-    return h.real @ c_re.T - h.imag @ c_im.T + x * _leading_ones(d, x.ndim)
+    return h.real @ c_re.T - h.imag @ c_im.T + x * common.leading_ones(d, x.ndim)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto") -> Array:
     """Runs the whole sequence.
@@ -103,11 +103,11 @@ class LRU(nn.Module):
     Returns:
       `(..., T, H)` outputs in `x`'s dtype.
     """
-    x = _check_sequence(x, reset)
+    x, reset = common.check_sequence(x, reset)
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = self._input(xf, b_re, b_im)
-    flags = None if reset is None else jnp.asarray(reset)[..., None]
+    flags = None if reset is None else reset[..., None]
     h = linear_recurrence(lam, inputs, reset=flags, axis=-2, mode=mode)
     return self._output(h, xf, c_re, c_im, d).astype(x.dtype)
 
@@ -126,30 +126,10 @@ class LRU(nn.Module):
     Returns:
       `(state, y_t)`: the new state and the `(*batch, H)` output.
     """
-    x_t = jnp.asarray(x_t)
+    x_t, reset = common.check_step(x_t, reset)
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x_t.shape[-1])
     if reset is not None:
-      reset = jnp.asarray(reset)
-      checks.check_bool(reset, "reset")
-      checks.check_shape(reset, x_t.shape[:-1], "reset", "the batch shape of `x_t`")
       state = jnp.where(reset[..., None], jnp.zeros_like(state), state)
     xf = x_t.astype(accumulation_dtype(x_t.dtype))
-    state = _leading_ones(lam, state.ndim) * state + self._input(xf, b_re, b_im)
+    state = common.leading_ones(lam, state.ndim) * state + self._input(xf, b_re, b_im)
     return state, self._output(state, xf, c_re, c_im, d).astype(x_t.dtype)
-
-
-def _leading_ones(v: Array, ndim: int) -> Array:
-  """A feature vector `(F,)` as `(1, ..., 1, F)` of rank `ndim`, for explicit broadcasting."""
-  return v.reshape((1,) * (ndim - 1) + v.shape)
-
-
-def _check_sequence(x: Array, reset: Array | None) -> Array:
-  x = jnp.asarray(x)
-  if x.ndim < 2:
-    raise ValueError(f"`x` must be `(..., T, features)`, got shape {x.shape}.")
-  checks.check_inexact(x, "x")
-  if reset is not None:
-    reset = jnp.asarray(reset)
-    checks.check_bool(reset, "reset")
-    checks.check_shape(reset, x.shape[:-1], "reset", "`x` without its feature axis")
-  return x

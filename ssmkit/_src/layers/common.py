@@ -1,0 +1,47 @@
+"""Argument checks and broadcasting helpers shared by the layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ssmkit._src import checks
+
+Array = jax.Array
+
+
+def leading_ones(v: Array, ndim: int) -> Array:
+  """`v` with leading axes of size 1 up to rank `ndim`, for explicit broadcasting."""
+  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+def check_sequence(x: Array, reset: Array | None) -> tuple[Array, Array | None]:
+  """Checks `(..., T, features)` inputs and `(..., T)` boolean resets."""
+  x = jnp.asarray(x)
+  if x.ndim < 2:
+    raise ValueError(f"`x` must be `(..., T, features)`, got shape {x.shape}.")
+  checks.check_inexact(x, "x")
+  if reset is not None:
+    reset = jnp.asarray(reset)
+    checks.check_bool(reset, "reset")
+    checks.check_shape(reset, x.shape[:-1], "reset", "`x` without its feature axis")
+  return x, reset
+
+
+def check_step(x_t: Array, reset: Array | None) -> tuple[Array, Array | None]:
+  """Checks `(*batch, features)` inputs of one step and `(*batch,)` boolean resets."""
+  x_t = jnp.asarray(x_t)
+  if x_t.ndim < 1:
+    raise ValueError(f"`x_t` must be `(*batch, features)`, got shape {x_t.shape}.")
+  checks.check_inexact(x_t, "x_t")
+  if reset is not None:
+    reset = jnp.asarray(reset)
+    checks.check_bool(reset, "reset")
+    checks.check_shape(reset, x_t.shape[:-1], "reset", "the batch shape of `x_t`")
+  return x_t, reset
+
+
+def shift_back(x: Array, axis: int) -> Array:
+  """x_{t+1} at t along `axis`, zero at the last step."""
+  rest = jax.lax.slice_in_dim(x, 1, x.shape[axis], axis=axis)
+  return jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)

@@ -1,0 +1,190 @@
+"""S4D (Gu et al., "On the parameterization and initialization of diagonal state space
+models", NeurIPS 2022): one diagonal complex SSM per channel, run as an FFT convolution
+with its Vandermonde kernel or as a recurrence."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit._src import discretization, hippo
+from ssmkit._src.layers import common
+from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+
+Array = jax.Array
+
+CONVOLUTION = "convolution"
+
+
+def _constant(value: np.ndarray) -> nn.initializers.Initializer:
+  def init(key: Array, shape, dtype=jnp.float32) -> Array:
+    del key
+    return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+
+  return init
+
+
+class S4D(nn.Module):
+  """Diagonal SSM per channel: x' = A x + B u, y = 2 Re(C x) + D u, A = -exp(a_re) + i a_im.
+
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. Each of the H channels has `d_state / 2`
+  complex modes standing for `d_state` real states (the conjugate halves are implied by
+  taking twice the real part). `mode="convolution"` computes the kernel
+  K_l = 2 Re(sum_n C_n B_bar_n A_bar_n^l) by a Vandermonde product and convolves by FFT;
+  the scan modes run the recurrence through `ssmkit.scan.linear_recurrence`. `"auto"` is
+  the convolution without `reset` (resets need the recurrence) and the scan otherwise.
+
+  Attributes:
+    d_state: real state size N per channel (even): N / 2 complex modes.
+    a_init: "legs" (S4D-LegS, diagonal of HiPPO-N with its projected B) or "lin" (S4D-Lin,
+      A_n = -1/2 + i pi n, B = 1).
+    discretization: "zoh" or "bilinear".
+    dt_min: smallest initial step size (log-uniform between `dt_min` and `dt_max`).
+    dt_max: largest initial step size.
+    bidirectional: add an anti-causal SSM (its own C) run backwards over the sequence.
+      No step mode then.
+    param_dtype: dtype of the parameters.
+  """
+
+  d_state: int = 64
+  a_init: str = "legs"
+  discretization: str = "zoh"
+  dt_min: float = 1e-3
+  dt_max: float = 1e-1
+  bidirectional: bool = False
+  param_dtype: jnp.dtype = jnp.float32
+
+  def _initial_modes(self) -> tuple[np.ndarray, np.ndarray]:
+    if self.d_state < 2 or self.d_state % 2:
+      raise ValueError(f"`d_state` must be a positive even int, got {self.d_state!r}.")
+    modes = self.d_state // 2
+    if self.a_init == "legs":
+      return hippo.s4d_legs(modes)
+    if self.a_init == "lin":
+      return hippo.s4d_lin(modes), np.ones(modes, complex)
+    raise ValueError(f"`a_init` must be 'legs' or 'lin', got {self.a_init!r}.")
+
+  @nn.compact
+  def _parameters(self, features: int) -> tuple[Array, Array, Array, Array]:
+    """(A_bar, B_bar `(H, N/2)` complex, C `(directions, H, N/2)` complex, D `(H,)`)."""
+    a, b = self._initial_modes()
+    shape, dtype = (features, a.shape[0]), self.param_dtype
+    log_dt = self.param(
+        "log_dt", discretization.log_step_init(self.dt_min, self.dt_max), (features,), dtype
+    )
+    a_re = self.param("log_a_real", _constant(np.log(-a.real)), shape, dtype)
+    a_im = self.param("a_imag", _constant(a.imag), shape, dtype)
+    b_re = self.param("B_re", _constant(b.real), shape, dtype)
+    b_im = self.param("B_im", _constant(b.imag), shape, dtype)
+    directions = 2 if self.bidirectional else 1
+    # Complex C with unit variance: each part N(0, 1/2), as in the paper's code.
+    c_init = nn.initializers.normal(np.sqrt(0.5))
+    c_re = self.param("C_re", c_init, (directions, *shape), dtype)
+    c_im = self.param("C_im", c_init, (directions, *shape), dtype)
+    d = self.param("D", nn.initializers.normal(1.0), (features,), dtype)
+    a = jax.lax.complex(-jnp.exp(a_re), a_im)
+    discretize = {"zoh": discretization.zoh, "bilinear": discretization.bilinear}.get(
+        self.discretization
+    )
+    if discretize is None:
+      raise ValueError(
+          f"`discretization` must be 'zoh' or 'bilinear', got {self.discretization!r}."
+      )
+    a_bar, b_bar = discretize(a, jax.lax.complex(b_re, b_im), jnp.exp(log_dt)[:, None])
+    return a_bar, b_bar, jax.lax.complex(c_re, c_im), d
+
+  def kernel(self, length: int, features: int) -> Array:
+    """The convolution kernel `(directions, length, H)`, float32."""
+    a_bar, b_bar, c, _ = self._parameters(features)
+    # Vandermonde: A_bar^l = exp(l log A_bar), one (H, N/2) x (N/2, L) product per direction.
+    powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
+    return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
+
+  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto") -> Array:
+    """Runs the whole sequence.
+
+    Args:
+      x: `(..., T, H)` inputs.
+      reset: optional `(..., T)` booleans; True clears the state before that step (in
+        both directions when bidirectional).
+      mode: "convolution", or a scan mode ("auto", "sequential", "parallel", "chunked");
+        "auto" convolves when `reset` is None.
+
+    Returns:
+      `(..., T, H)` outputs in `x`'s dtype.
+    """
+    x, reset = common.check_sequence(x, reset)
+    if mode == CONVOLUTION and reset is not None:
+      raise ValueError("`mode='convolution'` cannot take `reset`: use a scan mode.")
+    if mode == "auto" and reset is None:
+      mode = CONVOLUTION
+    length, features = x.shape[-2:]
+    xf = x.astype(accumulation_dtype(x.dtype))
+    _, _, _, d = self._parameters(features)
+    if mode == CONVOLUTION:
+      y = self._convolve(xf, self.kernel(length, features))
+    else:
+      y = self._recurrence(xf, reset, mode)
+    return (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+
+  def _convolve(self, x: Array, k: Array) -> Array:
+    length = x.shape[-2]
+    n = 2 * length  # zero padding: a linear, not circular, convolution
+
+    def causal(u: Array, kernel: Array) -> Array:
+      spectrum = jnp.fft.rfft(kernel, n, axis=-2)
+      product = jnp.fft.rfft(u, n, axis=-2) * common.leading_ones(spectrum, u.ndim)
+      return jnp.fft.irfft(product, n, axis=-2)[..., :length, :]
+
+    y = causal(x, k[0])
+    if self.bidirectional:
+      # Lag l >= 1 of the future takes kernel entry l - 1.
+      backward = jnp.flip(causal(jnp.flip(x, -2), k[1]), -2)
+      y = y + common.shift_back(backward, axis=-2)
+    return y
+
+  def _recurrence(self, x: Array, reset: Array | None, mode: str) -> Array:
+    a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
+    inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
+    flags = None if reset is None else reset[..., None, None]
+    h = linear_recurrence(a_bar, inputs, reset=flags, axis=-3, mode=mode)
+    y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
+    if self.bidirectional:
+      # Step t reads the backward state after step t + 1: none when an episode starts there.
+      after = None if flags is None else common.shift_back(flags, axis=-3)
+      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode)
+      h = common.shift_back(h, axis=-3)
+      if after is not None:
+        h = jnp.where(after, jnp.zeros_like(h), h)
+      y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
+    return y
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
+    """The zero state `(*batch, H, d_state / 2)` complex64 for inputs `(*batch, H)`."""
+    return jnp.zeros((*tuple(input_shape), self.d_state // 2), jnp.complex64)
+
+  def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
+    """Advances one step (causal S4D only).
+
+    Args:
+      state: `(*batch, H, d_state / 2)` complex state.
+      x_t: `(*batch, H)` input of this step.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)`: the new state and the `(*batch, H)` output.
+    """
+    if self.bidirectional:
+      raise ValueError("a bidirectional S4D has no step mode: its output needs the future.")
+    x_t, reset = common.check_step(x_t, reset)
+    a_bar, b_bar, c, d = self._parameters(x_t.shape[-1])
+    if reset is not None:
+      state = jnp.where(reset[..., None, None], jnp.zeros_like(state), state)
+    xf = x_t.astype(accumulation_dtype(x_t.dtype))
+    state = common.leading_ones(a_bar, state.ndim) * state + xf[..., None] * common.leading_ones(
+        b_bar, state.ndim
+    )
+    y = 2 * jnp.einsum("...hn,hn->...h", state, c[0]).real + xf * common.leading_ones(d, xf.ndim)
+    return state, y.astype(x_t.dtype)
