@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.linalg
 from flax import nnx
 
 from ssmkit import layers
@@ -15,6 +16,10 @@ LAYERS = {
     "LRU": lambda: layers.LRU(d_state=6),
     "S4D": lambda: layers.S4D(d_state=6),
     "S4D-lin-bilinear": lambda: layers.S4D(d_state=4, a_init="lin", discretization="bilinear"),
+    "S5": lambda: layers.S5(d_state=8),
+    "S5-blocks-full-bilinear": lambda: layers.S5(
+        d_state=6, blocks=2, conj_sym=False, discretization="bilinear"
+    ),
 }
 MODES = ["sequential", "parallel", "chunked", "auto"]
 
@@ -271,3 +276,62 @@ def test_s4d_rejects_bad_configuration():
   params = layers.S4D(d_state=4).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="cannot take `reset`"):
     layers.S4D(d_state=4).apply(params, x, jnp.zeros(4, bool), mode="convolution")
+
+
+def _s5_reference(layer, params, x, reset=None):
+  """x_t = Lambda_bar x_{t-1} + B_bar u_t, y_t = (2) Re(C x_t) + D u_t in float64 (ZOH)."""
+  p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
+  lam = p["Lambda_re"] + 1j * p["Lambda_im"]
+  dt = np.exp(p["log_dt"])
+  lam_bar = np.exp(lam * dt)
+  b_bar = ((lam_bar - 1) / lam)[:, None] * (p["B"][0] + 1j * p["B"][1])
+  c = p["C"][0, 0] + 1j * p["C"][1, 0]
+  h = np.zeros(lam.shape, complex)
+  ys = []
+  for t in range(x.shape[0]):
+    if reset is not None and reset[t]:
+      h = np.zeros_like(h)
+    h = lam_bar * h + b_bar @ np.asarray(x[t], np.float64)
+    ys.append((2 if layer.conj_sym else 1) * (c @ h).real + p["D"] * np.asarray(x[t]))
+  return np.stack(ys)
+
+
+@pytest.mark.parametrize("conj_sym", [True, False])
+def test_s5_matches_float64_reference(conj_sym):
+  layer = layers.S5(d_state=8, blocks=2, conj_sym=conj_sym)
+  x, reset = _x((25, 3)), np.asarray(_resets((25,)))
+  params = layer.init(jax.random.key(8), x)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset)), _s5_reference(layer, params, x, reset))
+
+
+def test_s5_initialisation_is_hippo_n_in_its_eigenbasis():
+  layer = layers.S5(d_state=16, blocks=2, conj_sym=False)
+  params = layer.init(jax.random.key(9), _x((4, 5)))["params"]
+  eigenvalues, v, _ = hippo.legs_normal_diagonalized(8)
+  lam = np.asarray(params["Lambda_re"]) + 1j * np.asarray(params["Lambda_im"])
+  np.testing.assert_allclose(lam, np.tile(eigenvalues, 2), rtol=1e-5, atol=1e-6)
+  # B was drawn real in the original basis: V B_tilde is real again.
+  b = np.asarray(params["B"][0], np.float64) + 1j * np.asarray(params["B"][1], np.float64)
+  original = scipy.linalg.block_diag(v, v) @ b
+  assert np.max(np.abs(original.imag)) < 1e-5 * np.max(np.abs(original.real))
+  half = layers.S5(d_state=16, blocks=2).init(jax.random.key(9), _x((4, 5)))["params"]
+  assert half["Lambda_re"].shape == (8,)  # one of each conjugate pair
+
+
+def test_bidirectional_s5_keeps_episodes_apart():
+  layer = layers.S5(d_state=8, bidirectional=True)
+  x = _x((1, 20, 3))
+  reset = jnp.zeros((1, 20), bool).at[0, 9].set(True)
+  params = layer.init(jax.random.key(10), x)
+  y = layer.apply(params, x, reset)
+  np.testing.assert_array_equal(y[:, 9:], layer.apply(params, x.at[:, :9].set(0.0), reset)[:, 9:])
+  np.testing.assert_array_equal(y[:, :9], layer.apply(params, x.at[:, 9:].set(0.0), reset)[:, :9])
+  with pytest.raises(ValueError, match="no step mode"):
+    layer.apply(params, layer.initialize_state((1, 3)), x[:, 0], method="step")
+
+
+def test_s5_rejects_bad_blocks():
+  with pytest.raises(ValueError, match="`blocks`"):
+    layers.S5(d_state=8, blocks=3).init(jax.random.key(0), _x((4, 2)))
+  with pytest.raises(ValueError, match="`blocks`"):
+    layers.S5(d_state=6, blocks=2).init(jax.random.key(0), _x((4, 2)))

@@ -2,5 +2,6 @@
 
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.s4d import S4D
+from ssmkit._src.layers.s5 import S5
 
-__all__ = ["LRU", "S4D"]
+__all__ = ["LRU", "S4D", "S5"]
