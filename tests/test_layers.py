@@ -20,6 +20,7 @@ LAYERS = {
     "S5-blocks-full-bilinear": lambda: layers.S5(
         d_state=6, blocks=2, conj_sym=False, discretization="bilinear"
     ),
+    "Mamba": lambda: layers.Mamba(d_state=4, d_conv=3),
 }
 MODES = ["sequential", "parallel", "chunked", "auto"]
 
@@ -335,3 +336,49 @@ def test_s5_rejects_bad_blocks():
     layers.S5(d_state=8, blocks=3).init(jax.random.key(0), _x((4, 2)))
   with pytest.raises(ValueError, match="`blocks`"):
     layers.S5(d_state=6, blocks=2).init(jax.random.key(0), _x((4, 2)))
+
+
+def _mamba_reference(params, x, reset, d_conv):
+  """The Mamba block one step at a time in float64 NumPy, from the parameters."""
+  p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
+  x = np.asarray(x, np.float64)
+  inner, n = p["A_log"].shape
+  rank = p["dt_proj"].shape[0]
+  a = -np.exp(p["A_log"])
+  window = np.zeros((d_conv, inner))
+  h = np.zeros((inner, n))
+  softplus = lambda v: np.log1p(np.exp(v))
+  silu = lambda v: v / (1 + np.exp(-v))
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      window, h = np.zeros_like(window), np.zeros_like(h)
+    v, z = np.split(x[t] @ p["in_proj"], 2)
+    window = np.concatenate([window[1:], v[None]])
+    u = silu(np.sum(window * p["conv_kernel"], axis=0) + p["conv_bias"])
+    dbc = u @ p["x_proj"]
+    dt = softplus(dbc[:rank] @ p["dt_proj"] + p["dt_bias"])
+    b, c = dbc[rank : rank + n], dbc[rank + n :]
+    h = np.exp(dt[:, None] * a) * h + (dt * u)[:, None] * b[None, :]
+    ys.append(((h @ c + p["D"] * u) * silu(z)) @ p["out_proj"])
+  return np.stack(ys)
+
+
+def test_mamba_matches_float64_loop():
+  layer = layers.Mamba(d_state=5, d_conv=4)
+  x, reset = _x((23, 6)), np.asarray(_resets((23,)))
+  params = layer.init(jax.random.key(11), x)
+  expected = _mamba_reference(params, x, reset, 4)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset)), expected)
+  _assert_close(_stepped(layer, params, x, jnp.asarray(reset)), expected)
+
+
+def test_mamba_initialisation_follows_the_paper():
+  params = layers.Mamba(d_state=16, dt_min=0.002, dt_max=0.05).init(
+      jax.random.key(12), _x((4, 32)))["params"]
+  np.testing.assert_allclose(np.exp(params["A_log"]), np.broadcast_to(np.arange(1, 17), (64, 16)),
+                             rtol=1e-6)
+  dt = np.asarray(jax.nn.softplus(params["dt_bias"]))
+  assert dt.min() >= 0.002 * (1 - 1e-4) and dt.max() <= 0.05 * (1 + 1e-4)
+  assert params["dt_proj"].shape == (2, 64)  # rank ceil(32 / 16)
+  np.testing.assert_array_equal(params["D"], np.ones(64))
