@@ -75,6 +75,14 @@ def bilinear(a: Array, b: Array, dt: Array, *, diagonal: bool = True) -> tuple[A
   return jnp.linalg.solve(left, eye + step / 2 * a), jnp.linalg.solve(left, step * b)
 
 
+def by_name(name: str):
+  """`zoh` or `bilinear` by name, for a layer's `discretization` attribute."""
+  methods = {"zoh": zoh, "bilinear": bilinear}
+  if name not in methods:
+    raise ValueError(f"`discretization` must be 'zoh' or 'bilinear', got {name!r}.")
+  return methods[name]
+
+
 def log_step_init(
     dt_min: float = 1e-3, dt_max: float = 1e-1
 ) -> jax.nn.initializers.Initializer:

@@ -1,13 +1,25 @@
-"""Argument checks and broadcasting helpers shared by the layers."""
+"""Argument checks, initialisers and broadcasting helpers shared by the layers."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ssmkit._src import checks
 
 Array = jax.Array
+
+
+def constant(value: np.ndarray) -> nn.initializers.Initializer:
+  """An initialiser that returns `value` (a fixed, e.g. HiPPO-derived, start) broadcast to the shape."""
+
+  def init(key: Array, shape, dtype=jnp.float32) -> Array:
+    del key
+    return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+
+  return init
 
 
 def leading_ones(v: Array, ndim: int) -> Array:

@@ -18,14 +18,6 @@ Array = jax.Array
 CONVOLUTION = "convolution"
 
 
-def _constant(value: np.ndarray) -> nn.initializers.Initializer:
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    del key
-    return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
-
-  return init
-
-
 class S4D(nn.Module):
   """Diagonal SSM per channel: x' = A x + B u, y = 2 Re(C x) + D u, A = -exp(a_re) + i a_im.
 
@@ -74,10 +66,10 @@ class S4D(nn.Module):
     log_dt = self.param(
         "log_dt", discretization.log_step_init(self.dt_min, self.dt_max), (features,), dtype
     )
-    a_re = self.param("log_a_real", _constant(np.log(-a.real)), shape, dtype)
-    a_im = self.param("a_imag", _constant(a.imag), shape, dtype)
-    b_re = self.param("B_re", _constant(b.real), shape, dtype)
-    b_im = self.param("B_im", _constant(b.imag), shape, dtype)
+    a_re = self.param("log_a_real", common.constant(np.log(-a.real)), shape, dtype)
+    a_im = self.param("a_imag", common.constant(a.imag), shape, dtype)
+    b_re = self.param("B_re", common.constant(b.real), shape, dtype)
+    b_im = self.param("B_im", common.constant(b.imag), shape, dtype)
     directions = 2 if self.bidirectional else 1
     # Complex C with unit variance: each part N(0, 1/2), as in the paper's code.
     c_init = nn.initializers.normal(np.sqrt(0.5))
@@ -85,13 +77,7 @@ class S4D(nn.Module):
     c_im = self.param("C_im", c_init, (directions, *shape), dtype)
     d = self.param("D", nn.initializers.normal(1.0), (features,), dtype)
     a = jax.lax.complex(-jnp.exp(a_re), a_im)
-    discretize = {"zoh": discretization.zoh, "bilinear": discretization.bilinear}.get(
-        self.discretization
-    )
-    if discretize is None:
-      raise ValueError(
-          f"`discretization` must be 'zoh' or 'bilinear', got {self.discretization!r}."
-      )
+    discretize = discretization.by_name(self.discretization)
     a_bar, b_bar = discretize(a, jax.lax.complex(b_re, b_im), jnp.exp(log_dt)[:, None])
     return a_bar, b_bar, jax.lax.complex(c_re, c_im), d
 

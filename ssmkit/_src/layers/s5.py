@@ -17,14 +17,6 @@ from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 Array = jax.Array
 
 
-def _constant(value: np.ndarray) -> nn.initializers.Initializer:
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    del key
-    return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
-
-  return init
-
-
 def _in_eigenbasis(draw, project: np.ndarray, left: bool) -> nn.initializers.Initializer:
   """A real matrix from `draw(key)` moved into the eigenbasis: `project @ m` or `m @ project`.
 
@@ -91,8 +83,8 @@ class S5(nn.Module):
     lam, v = self._eigenbasis()
     modes, dtype = lam.shape[0], self.param_dtype
     v_inverse = np.linalg.pinv(v)
-    lam_re = self.param("Lambda_re", _constant(lam.real), (modes,), dtype)
-    lam_im = self.param("Lambda_im", _constant(lam.imag), (modes,), dtype)
+    lam_re = self.param("Lambda_re", common.constant(lam.real), (modes,), dtype)
+    lam_im = self.param("Lambda_im", common.constant(lam.imag), (modes,), dtype)
     lecun = nn.initializers.lecun_normal()
     draw_b = lambda key: lecun(key, (self.d_state, features))
     b = self.param("B", _in_eigenbasis(draw_b, v_inverse, left=True), (2, modes, features), dtype)
@@ -110,13 +102,7 @@ class S5(nn.Module):
     log_dt = self.param(
         "log_dt", discretization.log_step_init(self.dt_min, self.dt_max), (modes,), dtype
     )
-    discretize = {"zoh": discretization.zoh, "bilinear": discretization.bilinear}.get(
-        self.discretization
-    )
-    if discretize is None:
-      raise ValueError(
-          f"`discretization` must be 'zoh' or 'bilinear', got {self.discretization!r}."
-      )
+    discretize = discretization.by_name(self.discretization)
     lam_bar, b_bar = discretize(
         jax.lax.complex(lam_re, lam_im), jax.lax.complex(b[0], b[1]), jnp.exp(log_dt)
     )
