@@ -121,8 +121,7 @@ def _adjoint(cfg: _Config, a: Decay, g, g_last, reset):
   `g_last`, the cotangent of the final state, enters as lambda after the last step instead
   of being added to a copy of `g`. The sequential mode overwrites `g` with lambda in place
   (as `_sequential` does with `b`, reading lambda_t back from the written row) and carries
-  c = a_t * lambda_t, so it reads a_t at step
-  t: no shifted copy of `a` is made.
+  c = a_t * lambda_t, so it reads a_t at step t: no shifted copy of `a` is made.
   """
   reverse = not cfg.reverse
   if cfg.mode is Mode.SEQUENTIAL:
