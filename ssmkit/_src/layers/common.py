@@ -27,30 +27,27 @@ def leading_ones(v: Array, ndim: int) -> Array:
   return v.reshape((1,) * (ndim - v.ndim) + v.shape)
 
 
-def check_sequence(x: Array, reset: Array | None) -> tuple[Array, Array | None]:
-  """Checks `(..., T, features)` inputs and `(..., T)` boolean resets."""
+def _check(x: Array, reset: Array | None, name: str, layout: str, min_ndim: int,
+           reset_what: str) -> tuple[Array, Array | None]:
   x = jnp.asarray(x)
-  if x.ndim < 2:
-    raise ValueError(f"`x` must be `(..., T, features)`, got shape {x.shape}.")
-  checks.check_inexact(x, "x")
+  if x.ndim < min_ndim:
+    raise ValueError(f"`{name}` must be `{layout}`, got shape {x.shape}.")
+  checks.check_inexact(x, name)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
-    checks.check_shape(reset, x.shape[:-1], "reset", "`x` without its feature axis")
+    checks.check_shape(reset, x.shape[:-1], "reset", reset_what)
   return x, reset
+
+
+def check_sequence(x: Array, reset: Array | None) -> tuple[Array, Array | None]:
+  """Checks `(..., T, features)` inputs and `(..., T)` boolean resets."""
+  return _check(x, reset, "x", "(..., T, features)", 2, "`x` without its feature axis")
 
 
 def check_step(x_t: Array, reset: Array | None) -> tuple[Array, Array | None]:
   """Checks `(*batch, features)` inputs of one step and `(*batch,)` boolean resets."""
-  x_t = jnp.asarray(x_t)
-  if x_t.ndim < 1:
-    raise ValueError(f"`x_t` must be `(*batch, features)`, got shape {x_t.shape}.")
-  checks.check_inexact(x_t, "x_t")
-  if reset is not None:
-    reset = jnp.asarray(reset)
-    checks.check_bool(reset, "reset")
-    checks.check_shape(reset, x_t.shape[:-1], "reset", "the batch shape of `x_t`")
-  return x_t, reset
+  return _check(x_t, reset, "x_t", "(*batch, features)", 1, "the batch shape of `x_t`")
 
 
 def shift_back(x: Array, axis: int) -> Array:
