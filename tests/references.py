@@ -43,6 +43,14 @@ def _segments(length, truncated):
   return [(s, e) for s, e in zip(starts, ends, strict=False) if s < e]
 
 
+def _float64_trajectory(rewards, discounts, values, lambda_, truncated):
+  """Float64 copies, lambda_ broadcast per step, and no truncation when `truncated` is None."""
+  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
+  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  truncated = np.zeros(r.shape[0], bool) if truncated is None else np.asarray(truncated)
+  return r, d, v, lam, truncated
+
+
 def lambda_returns(rewards, discounts, values, lambda_, bootstrap, truncated=None, final_values=None):
   """Float64 lambda-returns of one trajectory (axis 0), one episode segment at a time.
 
@@ -50,10 +58,8 @@ def lambda_returns(rewards, discounts, values, lambda_, bootstrap, truncated=Non
   trajectory whose last step bootstraps from `final_values` (truncated) or from `bootstrap`
   (the end of the rollout). `values[t]` is the value after step t.
   """
-  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
-  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  r, d, v, lam, truncated = _float64_trajectory(rewards, discounts, values, lambda_, truncated)
   length = r.shape[0]
-  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
   out = np.empty(length)
   for start, end in _segments(length, truncated):
     tail = float(final_values[end - 1]) if truncated[end - 1] else float(bootstrap)
@@ -73,10 +79,8 @@ def generalized_advantage_estimation(rewards, discounts, values, lambda_, trunca
   A_t = sum_k (prod_{j<k} d_j lambda_j) delta_k over the steps k of t's episode segment,
   with delta_k = r_k + d_k v'_{k+1} - v_k and v' the final value at a truncated step.
   """
-  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
-  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  r, d, v, lam, truncated = _float64_trajectory(rewards, discounts, values, lambda_, truncated)
   length = r.shape[0]
-  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
   out = np.empty(length)
   for start, end in _segments(length, truncated):
     v_next = v[start + 1 : end + 1].copy()
@@ -99,10 +103,8 @@ def n_step_returns(rewards, discounts, values, n, lambda_, truncated=None, final
   segment; it bootstraps from the value after its last step (the final value when that
   step is truncated).
   """
-  r, d, v = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
-  lam = np.broadcast_to(np.asarray(lambda_, np.float64), r.shape)
+  r, d, v, lam, truncated = _float64_trajectory(rewards, discounts, values, lambda_, truncated)
   length = r.shape[0]
-  truncated = np.zeros(length, bool) if truncated is None else np.asarray(truncated)
   out = np.empty(length)
   for start, end in _segments(length, truncated):
     v_seg = v[start:end].copy()
