@@ -1,0 +1,150 @@
+"""The residual block every SSM model stacks: norm, SSM layer, activation or GLU, dropout, residual."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ssmkit._src.layers import common
+from ssmkit._src.layers.lru import LRU
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+ModuleDef = Callable[..., nn.Module]
+
+NORMS = ("layer", "batch", "rms")
+ACTIVATIONS = ("gelu", "glu", "half_glu")
+
+
+def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
+  if value not in choices:
+    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+
+
+def expand_mask(mask: Array | None, x: Array) -> Array | None:
+  """`(..., T)` step mask as `x`'s shape `(..., T, H)`, or None."""
+  return None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
+
+
+class Norm(nn.Module):
+  """LayerNorm, RMSNorm or BatchNorm over the feature axis; BatchNorm skips masked steps.
+
+  BatchNorm uses batch statistics and updates the "batch_stats" collection when `train`, and
+  its running averages (momentum 0.9) otherwise, which makes it a per-step map at inference.
+  """
+
+  kind: str = "layer"
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False) -> Array:
+    check_choice(self.kind, NORMS, "norm")
+    if self.kind == "layer":
+      return nn.LayerNorm()(x)
+    if self.kind == "rms":
+      return nn.RMSNorm()(x)
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=expand_mask(mask, x))
+
+
+class SSMBlock(nn.Module):
+  """x + dropout(activation(ssm(norm(x)))), with norm after the residual when `prenorm` is False.
+
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. The activation is GELU, or GELU followed by a
+  gated linear unit: "glu" is `W1 y * sigmoid(W2 y)` (LRU, S5 "full GLU"), "half_glu" is
+  `y * sigmoid(W y)` (S5 "half GLU"). `mask` marks real steps: the SSM sees zeros at padded steps,
+  so a bidirectional layer carries nothing back from the padding, and BatchNorm ignores them.
+
+  Attributes:
+    layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.layers.S5, d_state=32)`.
+    norm: "layer", "batch" or "rms".
+    activation: "gelu", "glu" or "half_glu".
+    dropout_rate: dropout after the activation and after the GLU, when `train`.
+    prenorm: normalise the block input (True) or the residual sum (False).
+
+  References:
+    Smith et al., "Simplified State Space Layers for Sequence Modeling", ICLR 2023 (S5 blocks).
+    Orvieto et al., "Resurrecting Recurrent Neural Networks for Long Sequences", ICML 2023.
+  """
+
+  layer: ModuleDef = LRU
+  norm: str = "layer"
+  activation: str = "glu"
+  dropout_rate: float = 0.0
+  prenorm: bool = True
+
+  @nn.compact
+  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
+               mode: str | Mode, train: bool) -> tuple[Any, Array]:
+    """The block on a sequence (`state` None) or on one step from `state`."""
+    check_choice(self.activation, ACTIVATIONS, "activation")
+    norm = Norm(self.norm, name="norm")
+    ssm = self.layer(name="ssm")
+    y = norm(x, mask, train=train) if self.prenorm else x
+    if mask is not None:
+      y = jnp.where(mask[..., None], y, jnp.zeros_like(y))
+    if state is None:
+      y = ssm(y, reset, mode=mode)
+    else:
+      state, y = ssm.step(state, y, reset)
+    drop = nn.Dropout(self.dropout_rate, deterministic=not train)
+    y = drop(nn.gelu(y))
+    if self.activation == "glu":
+      y = drop(nn.Dense(x.shape[-1], name="glu_value")(y)
+               * nn.sigmoid(nn.Dense(x.shape[-1], name="glu_gate")(y)))
+    elif self.activation == "half_glu":
+      y = drop(y * nn.sigmoid(nn.Dense(x.shape[-1], name="glu_gate")(y)))
+    y = x + y.astype(x.dtype)
+    return state, y if self.prenorm else norm(y, mask, train=train)
+
+  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
+               mode: str | Mode = "auto", train: bool = False) -> Array:
+    """Runs the block over a whole sequence.
+
+    Args:
+      x: `(..., T, H)` inputs.
+      mask: optional `(..., T)` booleans, True on real steps.
+      reset: optional `(..., T)` booleans; True clears the SSM state before that step.
+      mode: scan mode of the SSM layer.
+      train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
+        `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
+
+    Returns:
+      `(..., T, H)` outputs in `x`'s dtype.
+    """
+    x, reset = common.check_sequence(x, reset)
+    mask = check_mask(mask, x)
+    return self._forward(x, mask, reset, None, mode=mode, train=train)[1]
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
+    """The SSM layer's zero state for inputs `(*batch, H)` of one step."""
+    return self.layer(parent=None).initialize_state(input_shape)
+
+  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+    """Advances one step at inference (dropout off, BatchNorm on running averages).
+
+    Args:
+      state: the SSM layer's state.
+      x_t: `(*batch, H)` input of this step.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
+    """
+    x_t, reset = common.check_step(x_t, reset)
+    return self._forward(x_t, None, reset, state, mode="auto", train=False)
+
+
+def check_mask(mask: Array | None, x: Array) -> Array | None:
+  """Checks `mask`: None or `(..., T)` booleans for `(..., T, H)` inputs `x`."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_ or mask.shape != x.shape[:-1]:
+    raise ValueError(
+        f"`mask` must be booleans of shape {x.shape[:-1]} (`x` without its feature axis), "
+        f"got {mask.dtype} {mask.shape}."
+    )
+  return mask

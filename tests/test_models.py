@@ -1,0 +1,227 @@
+"""`SSMBlock`, `SequenceModel` and `generate`: blocks against a hand-written reference, models
+against themselves run another way (step by step, unpadded, unrolled)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssmkit import layers
+
+SMALL_LAYERS = {
+    "LRU": functools.partial(layers.LRU, d_state=4),
+    "S4D-bidirectional": functools.partial(layers.S4D, d_state=4, bidirectional=True),
+    "S5": functools.partial(layers.S5, d_state=4),
+    "Mamba": functools.partial(layers.Mamba, d_state=4, d_conv=3),
+}
+CAUSAL = ["LRU", "S5", "Mamba"]
+
+
+def _x(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _assert_close(actual, expected, rtol=1e-5):
+  scale = float(jnp.max(jnp.abs(expected)))
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=rtol * scale)
+
+
+def _stepped(module, variables, x, reset=None):
+  """`module.step` over time (axis 1 of `x`) from the zero state."""
+  step = jax.jit(lambda state, x_t, r_t: module.apply(variables, state, x_t, r_t, method="step"))
+  state = module.initialize_state(x[:, 0].shape)
+  ys = []
+  for t in range(x.shape[1]):
+    state, y_t = step(state, x[:, t], None if reset is None else reset[:, t])
+    ys.append(y_t)
+  return jnp.stack(ys, axis=1)
+
+
+def _gelu(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _sigmoid(x):
+  return 1 / (1 + np.exp(-x))
+
+
+def _dense(p, x):
+  return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "glu", "half_glu"])
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_block_matches_its_formula(activation, prenorm):
+  block = layers.SSMBlock(layer=SMALL_LAYERS["LRU"], activation=activation, prenorm=prenorm)
+  x = _x((2, 9, 5))
+  params = block.init(jax.random.key(0), x)["params"]
+  ssm = lambda u: np.asarray(SMALL_LAYERS["LRU"]().apply({"params": params["ssm"]}, jnp.asarray(u)),
+                             np.float64)
+
+  def layer_norm(u):
+    p = params["norm"]["LayerNorm_0"]
+    u = np.asarray(u, np.float64)
+    normed = (u - u.mean(-1, keepdims=True)) / np.sqrt(u.var(-1, keepdims=True) + 1e-6)
+    return normed * np.asarray(p["scale"]) + np.asarray(p["bias"])
+
+  x64 = np.asarray(x, np.float64)
+  y = _gelu(ssm(layer_norm(x64).astype(np.float32) if prenorm else x))
+  if activation == "glu":
+    y = _dense(params["glu_value"], y) * _sigmoid(_dense(params["glu_gate"], y))
+  elif activation == "half_glu":
+    y = y * _sigmoid(_dense(params["glu_gate"], y))
+  expected = x64 + y if prenorm else layer_norm(x64 + y)
+  _assert_close(block.apply({"params": params}, x), expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("norm", ["layer", "batch", "rms"])
+def test_block_sequence_equals_step_by_step(name, norm):
+  block = layers.SSMBlock(layer=SMALL_LAYERS[name], norm=norm)
+  x, reset = _x((2, 11, 4)), jax.random.bernoulli(jax.random.key(1), 0.2, (2, 11))
+  variables = block.init(jax.random.key(0), x)
+  _assert_close(block.apply(variables, x, reset=reset), _stepped(block, variables, x, reset))
+
+
+def _model(**kwargs):
+  config = dict(num_outputs=3, layer=SMALL_LAYERS["LRU"], features=8, num_blocks=2)
+  return layers.SequenceModel(**{**config, **kwargs})
+
+
+@pytest.mark.parametrize("scan_blocks", [False, True])
+@pytest.mark.parametrize("tokens", [False, True])
+def test_model_sequence_equals_step_by_step(scan_blocks, tokens):
+  model = _model(pooling="none", scan_blocks=scan_blocks, vocab_size=11 if tokens else None,
+                 layer=SMALL_LAYERS["Mamba"], norm="batch")
+  x = jax.random.randint(jax.random.key(2), (3, 10), 0, 11) if tokens else _x((3, 10, 2))
+  reset = jax.random.bernoulli(jax.random.key(1), 0.2, (3, 10))
+  variables = model.init(jax.random.key(0), x)
+  _assert_close(model.apply(variables, x, reset=reset), _stepped(model, variables, x, reset))
+
+
+def test_scanned_blocks_equal_unrolled_blocks():
+  unrolled, scanned = _model(num_blocks=3), _model(num_blocks=3, scan_blocks=True)
+  x = _x((2, 12, 2))
+  params = unrolled.init(jax.random.key(0), x)["params"]
+  stacked = dict(params)
+  blocks = [stacked.pop(f"block_{i}") for i in range(3)]
+  stacked["blocks"] = {"block": jax.tree.map(lambda *b: jnp.stack(b), *blocks)}
+  structure = jax.tree.structure(scanned.init(jax.random.key(0), x)["params"])
+  assert jax.tree.structure(stacked) == structure
+  _assert_close(scanned.apply({"params": stacked}, x), unrolled.apply({"params": params}, x))
+
+
+@pytest.mark.parametrize("name", list(SMALL_LAYERS))
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_padding_changes_nothing(name, pooling):
+  """Each padded sequence classifies as it does alone and unpadded, whatever the padding holds."""
+  model = _model(layer=SMALL_LAYERS[name], pooling=pooling)
+  lengths = [5, 13, 1]
+  x = _x((3, 13, 2))
+  mask = jnp.arange(13)[None, :] < jnp.asarray(lengths)[:, None]
+  variables = model.init(jax.random.key(0), x, mask)
+  padded = model.apply(variables, jnp.where(mask[..., None], x, 1e3), mask)
+  for i, n in enumerate(lengths):
+    _assert_close(padded[i], model.apply(variables, x[i : i + 1, :n])[0])
+
+
+def test_batchnorm_statistics_skip_padding():
+  model = _model(norm="batch")
+  x = _x((2, 7, 2))
+  mask = jnp.arange(7)[None, :] < jnp.asarray([[3], [7]])
+  variables = model.init(jax.random.key(0), x, mask)
+  run = lambda inputs, m, r: model.apply(variables, inputs, m, r, train=True, mutable=["batch_stats"])[1]
+  with_padding = run(jnp.where(mask[..., None], x, 50.0), mask, None)
+  # The real steps of both sequences as one, a reset keeping them apart.
+  real_steps = jnp.concatenate([x[0, :3], x[1]])[None]
+  reset = jnp.zeros((1, 10), bool).at[0, 3].set(True)
+  without_padding = run(real_steps, None, reset)
+  for actual, expected in zip(jax.tree.leaves(with_padding), jax.tree.leaves(without_padding),
+                              strict=True):
+    _assert_close(actual, expected)
+
+
+def test_last_pooling_reads_the_last_real_step():
+  model = _model(pooling="last")
+  per_step = _model(pooling="none")
+  x = _x((2, 6, 2))
+  variables = model.init(jax.random.key(0), x)
+  mask = jnp.arange(6)[None, :] < jnp.asarray([[4], [6]])
+  logits = per_step.apply(variables, x)
+  _assert_close(model.apply(variables, x, mask), jnp.stack([logits[0, 3], logits[1, 5]]))
+
+
+def test_dropout_acts_only_in_training():
+  model = _model(dropout_rate=0.5)
+  x = _x((2, 6, 2))
+  variables = model.init(jax.random.key(0), x)
+  train = lambda seed: model.apply(variables, x, train=True, rngs={"dropout": jax.random.key(seed)})
+  assert not np.allclose(train(0), train(1))
+  np.testing.assert_array_equal(model.apply(variables, x), model.apply(variables, x))
+
+
+def test_model_trains_under_jit_with_finite_gradients():
+  model = _model(norm="batch", dropout_rate=0.1, scan_blocks=True, layer=SMALL_LAYERS["S5"])
+  x, labels = _x((4, 9, 2)), jnp.asarray([0, 1, 2, 0])
+  variables = model.init(jax.random.key(0), x)
+
+  @jax.jit
+  def loss(params):
+    logits, _ = model.apply({**variables, "params": params}, x, train=True,
+                            rngs={"dropout": jax.random.key(1)}, mutable=["batch_stats"])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+  grads = jax.grad(loss)(variables["params"])
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert any(np.any(g != 0) for g in jax.tree.leaves(grads["blocks"]))
+
+
+def test_greedy_generation_equals_rerunning_the_whole_sequence():
+  model = _model(vocab_size=7, num_outputs=7, pooling="none", scan_blocks=True)
+  prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 7)
+  variables = model.init(jax.random.key(0), prompt)
+  generated = jax.jit(lambda p: layers.generate(model, variables, p, 5, temperature=0.0))(prompt)
+  tokens = prompt
+  for _ in range(5):
+    next_token = jnp.argmax(model.apply(variables, tokens)[:, -1], axis=-1)
+    tokens = jnp.concatenate([tokens, next_token[:, None].astype(tokens.dtype)], axis=1)
+  np.testing.assert_array_equal(generated, tokens[:, 4:])
+
+
+def test_sampling_is_reproducible_and_in_vocabulary():
+  model = _model(vocab_size=7, num_outputs=7, pooling="none")
+  prompt = jnp.zeros((3, 1), jnp.int32)
+  variables = model.init(jax.random.key(0), prompt)
+  sample = jax.jit(lambda key: layers.generate(model, variables, prompt, 20, rng=key))
+  tokens = sample(jax.random.key(0))
+  np.testing.assert_array_equal(tokens, sample(jax.random.key(0)))
+  assert not np.array_equal(tokens, sample(jax.random.key(1)))
+  assert tokens.shape == (3, 20) and np.all((tokens >= 0) & (tokens < 7))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "call", "match"),
+    [
+        ({"pooling": "max"}, {}, "pooling"),
+        ({"norm": "group"}, {}, "norm"),
+        ({"activation": "relu"}, {}, "activation"),
+        ({}, {"mask": jnp.ones((2, 5), bool)}, "mask"),
+        ({}, {"mask": jnp.ones((2, 6), jnp.int32)}, "mask"),
+        ({"vocab_size": 4}, {"x": jnp.ones((2, 6))}, "x"),
+    ],
+)
+def test_bad_configuration_or_input_names_the_argument(kwargs, call, match):
+  model = _model(**kwargs)
+  x = call.pop("x", _x((2, 6, 2)))
+  with pytest.raises(ValueError, match=match):
+    model.init(jax.random.key(0), x, **call)
+
+
+def test_step_and_generate_need_a_per_step_model():
+  model = _model(pooling="mean")
+  with pytest.raises(ValueError, match="pooling"):
+    model.apply({}, model.initialize_state((2, 2)), jnp.ones((2, 2)), method="step")
+  with pytest.raises(ValueError, match="vocab_size"):
+    layers.generate(model, {}, jnp.zeros((1, 2), jnp.int32), 3, temperature=0.0)
