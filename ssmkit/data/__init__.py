@@ -1,0 +1,19 @@
+"""Offline sequence datasets and synthetic long-range tasks as NumPy arrays, in train and test splits."""
+
+from ssmkit._src.data.dataset import SequenceDataset
+from ssmkit._src.data.digits import sequential_digits
+from ssmkit._src.data.induction_heads import induction_heads
+from ssmkit._src.data.listops import listops
+from ssmkit._src.data.mnist1d import mnist1d
+from ssmkit._src.data.registry import load
+from ssmkit._src.data.selective_copying import selective_copying
+
+__all__ = [
+    "SequenceDataset",
+    "induction_heads",
+    "listops",
+    "load",
+    "mnist1d",
+    "selective_copying",
+    "sequential_digits",
+]
