@@ -1,6 +1,8 @@
 """The `ssmkit` command line.
 
-    ssmkit bench {scan,rl} [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit bench {scan,rl,layers} [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit train CONFIG [--workdir DIR] [key=value ...]
+    ssmkit eval --workdir DIR
 
 Each command is a subparser whose `run` default unpacks the parsed flags into a
 library call; a new command (`train`, ...) adds one subparser.
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pathlib
+import signal
+import sys
 from collections.abc import Sequence
 
 
@@ -23,6 +28,7 @@ def _positive_int(text: str) -> int:
 _BENCHMARKS = {
     "scan": ("ssmkit.bench.scan", "linear_recurrence against lax.scan and lax.associative_scan"),
     "rl": ("ssmkit.bench.rl", "ssmkit.rl return estimators against jit(vmap(rlax)); needs rlax"),
+    "layers": ("ssmkit.bench.layers", "every SSM layer per mode, and a deep model unrolled or scanned"),
 }
 
 
@@ -49,10 +55,73 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_benchmark)
 
 
+def _run_train(args: argparse.Namespace) -> int:
+  # Imported on use: training needs the `train` extra, which the other commands do not.
+  from ssmkit import train
+
+  workdir = args.workdir or pathlib.Path("workdirs") / pathlib.Path(args.config).stem
+  try:
+    summary = train.train_and_evaluate(train.load_config(args.config, args.overrides), workdir)
+  except train.ConfigError as error:
+    print(f"ssmkit train: error: {error}", file=sys.stderr)
+    return 2
+  except train.Interrupted as error:
+    print(f"ssmkit train: {error}", file=sys.stderr)
+    return 128 + signal.Signals[error.signal_name].value
+  print(f"workdir={workdir}")
+  print(f"test_accuracy={summary['test_accuracy']:.4f}")
+  return 0
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+  from ssmkit import train
+
+  try:
+    result = train.evaluate(args.workdir)
+  except (FileNotFoundError, train.ConfigError) as error:
+    print(f"ssmkit eval: error: {error}", file=sys.stderr)
+    return 2
+  print(f"step={result['step']} test_examples={result['test_examples']} "
+        f"test_loss={result['test_loss']:.4f}")
+  print(f"test_accuracy={result['test_accuracy']:.4f}")
+  return 0
+
+
+def _add_train(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "config", help="a YAML file, or the name of a config shipped with ssmkit (e.g. mnist1d_lru)"
+  )
+  parser.add_argument(
+      "--workdir", type=pathlib.Path, default=None,
+      help="directory of checkpoints, metrics and summary; rerunning resumes there; "
+           "default: workdirs/<config name>",
+  )
+  parser.add_argument(
+      "overrides", nargs="*", metavar="key=value",
+      help="config overrides, e.g. train.epochs=5 model.layer_kwargs.d_state=32",
+  )
+  parser.set_defaults(run=_run_train)
+
+
+def _add_eval(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "--workdir", type=pathlib.Path, required=True, help="the workdir of a training run"
+  )
+  parser.set_defaults(run=_run_eval)
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="ssmkit", description="ssmkit command line.")
   commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   _add_benchmarks(commands.add_parser("bench", help="run a benchmark and print its table"))
+  _add_train(commands.add_parser(
+      "train", help="train a model from a config, resuming in its workdir",
+      description="Trains and evaluates a model; prints test_accuracy=... as its last line.",
+  ))
+  _add_eval(commands.add_parser(
+      "eval", help="evaluate a workdir's latest checkpoint on the test split",
+      description="Restores the latest checkpoint of a training run and evaluates it on the test split.",
+  ))
   return parser
 
 
@@ -62,5 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   Returns:
     The exit status.
   """
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  # argparse stops filling `overrides` at an option (`train C a=1 --workdir D b=2`), so
+  # the overrides after it arrive as unknown arguments.
+  args, rest = parser.parse_known_args(argv)
+  if rest and (args.command != "train" or any(arg.startswith("-") for arg in rest)):
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  if rest:
+    args.overrides = [*args.overrides, *rest]
   return args.run(args)

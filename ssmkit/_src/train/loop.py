@@ -1,0 +1,274 @@
+"""`train_and_evaluate` and `evaluate`: a training run in a workdir that survives interruption.
+
+A workdir holds `config.yaml` (the resolved config), `checkpoints/`, `metrics.jsonl`,
+`summary.json` and `curves.png`. Running again in the same workdir resumes from the latest
+checkpoint: the train state and the data order's position are restored and the dropout keys are
+derived from the step, so the resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+from ssmkit import data
+from ssmkit._src.train import metrics
+from ssmkit._src.train.batches import TrainBatches, eval_batches, split_arrays
+from ssmkit._src.train.checkpoint import Checkpoints
+from ssmkit._src.train.config import Config, DataConfig, load_config, to_dict, to_yaml, validate
+from ssmkit._src.train.errors import ConfigError, Interrupted
+from ssmkit._src.train.interrupt import stop_requests
+from ssmkit._src.train.model import build_model, count_parameters
+from ssmkit._src.train.optim import learning_rate_schedule, make_optimizer
+from ssmkit._src.train.steps import TrainState, create_train_state, eval_step, mean_metrics, train_step
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "curves.png"
+
+
+@dataclasses.dataclass
+class _Run:
+  """What a config builds: the data, the initial state and the length of the run."""
+
+  dataset: data.SequenceDataset
+  train_batches: TrainBatches
+  eval_batches: list[dict[str, np.ndarray]]
+  total_steps: int
+  state: TrainState
+  dropout_key: jax.Array
+
+
+def _load_dataset(config: DataConfig) -> data.SequenceDataset:
+  try:
+    return data.load(config.name, **config.kwargs)
+  except (TypeError, ValueError) as error:
+    raise ConfigError(
+        f"cannot load `data.name`={config.name!r} with `data.kwargs`={config.kwargs}: {error}"
+    ) from error
+
+
+def _check_pooling(config: Config, dataset: data.SequenceDataset) -> None:
+  pooling = config.model.pooling
+  if dataset.per_step and pooling != "none":
+    raise ConfigError(
+        f"`model.pooling` must be 'none' for {config.data.name!r}, which has one target per step; "
+        f"got {pooling!r}."
+    )
+  if not dataset.per_step and pooling == "none":
+    raise ConfigError(
+        f"`model.pooling` must be 'mean' or 'last' for {config.data.name!r}, which has one label per "
+        "sequence; got 'none'."
+    )
+
+
+def _setup(config: Config) -> _Run:
+  dataset = _load_dataset(config.data)
+  _check_pooling(config, dataset)
+  model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
+  arrays = split_arrays(dataset, "train")
+  train_batches = TrainBatches(arrays, config.data.batch_size, config.train.seed)
+  total_steps = config.train.steps or config.train.epochs * train_batches.steps_per_epoch
+  tx = make_optimizer(config.optimizer, config.model.layer, total_steps)
+  params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
+  example = {key: array[:1] for key, array in arrays.items()}
+  state = create_train_state(model, tx, example, params_key, config.model.mode)
+  return _Run(
+      dataset=dataset,
+      train_batches=train_batches,
+      eval_batches=eval_batches(split_arrays(dataset, "test"), config.data.batch_size),
+      total_steps=total_steps,
+      state=state,
+      dropout_key=dropout_key,
+  )
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def _check_same_run(workdir: pathlib.Path, config: Config) -> None:
+  """Refuses to resume a checkpoint made with other data or another model."""
+  saved = _flatten({key: to_dict(load_config(workdir / CONFIG_FILE))[key] for key in ("data", "model")})
+  new = _flatten({key: to_dict(config)[key] for key in ("data", "model")})
+  changed = sorted(key for key in saved.keys() | new.keys() if saved.get(key) != new.get(key))
+  if changed:
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a run with other values of {', '.join(changed)}; "
+        "resume it with its own config or train in another workdir."
+    )
+
+
+def _evaluate(step_fn: Callable[..., Any], state: TrainState, batches: list[dict[str, np.ndarray]]
+              ) -> dict[str, float]:
+  sums = jax.device_get([step_fn(state, batch) for batch in batches])
+  result = mean_metrics({key: sum(s[key] for s in sums) for key in sums[0]})
+  return {"test_loss": result["loss"], "test_accuracy": result["accuracy"]}
+
+
+def _line(step: int, values: dict[str, float]) -> str:
+  return f"step {step}: " + " ".join(f"{key}={value:.4f}" for key, value in values.items())
+
+
+def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
+                       hooks: Sequence[Callable[[int], None]] = ()) -> dict[str, Any]:
+  """Trains the model of `config` in `workdir` and evaluates it on the whole test split.
+
+  Logs train metrics every `train.log_every` steps and test metrics every `train.eval_every`
+  steps and after the last one to `metrics.jsonl`; saves a checkpoint every
+  `train.checkpoint_every` steps, after the last one and on SIGINT/SIGTERM (then raises
+  `Interrupted`). A workdir with checkpoints resumes from the latest one, dropping the metrics
+  logged after it. At the end writes `summary.json` and `curves.png`.
+
+  Args:
+    config: the run's config, e.g. from `load_config`.
+    workdir: the run's directory; created if needed.
+    hooks: functions called with the step number after every train step.
+
+  Returns:
+    The summary: "test_accuracy", "test_loss", "steps", "wall_seconds" (over all sessions of the
+    run), "params" (the number of parameters) and "config" (the config as a dict).
+
+  Raises:
+    ConfigError: for a config with values out of range or that does not fit the data, or a
+      workdir holding another run.
+    Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
+  """
+  session_start = time.perf_counter()
+  validate(config)
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
+  try:
+    start = checkpoints.latest_step()
+    if start is not None:
+      _check_same_run(workdir, config)
+    (workdir / CONFIG_FILE).write_text(to_yaml(config))
+    run = _setup(config)
+    state, wall_before = run.state, 0.0
+    if start is not None:
+      state, progress = checkpoints.restore(run.state, start)
+      run.train_batches.restore(progress["data"])
+      wall_before = progress["wall_seconds"]
+    wall_seconds = lambda: wall_before + time.perf_counter() - session_start
+    return _train(config, workdir, run, state, checkpoints, hooks, wall_seconds)
+  finally:
+    checkpoints.close()
+
+
+def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, checkpoints: Checkpoints,
+           hooks: Sequence[Callable[[int], None]], wall_seconds: Callable[[], float]) -> dict[str, Any]:
+  """The train loop from `state` to `run.total_steps`, then the summary."""
+  schedule = learning_rate_schedule(config.optimizer, config.optimizer.learning_rate, run.total_steps)
+  metrics_path = workdir / METRICS_FILE
+  step = int(state.step)
+  metrics.truncate(metrics_path, step)
+  num_params = count_parameters(state.params)
+  batch_size = config.data.batch_size
+  write = tqdm.tqdm.write
+  write(
+      f"{config.model.layer} model with {num_params:,} parameters, {run.total_steps} steps of "
+      f"{batch_size} sequences ({run.total_steps / run.train_batches.steps_per_epoch:.1f} epochs)"
+      + (f", resuming from step {step}" if step else "")
+  )
+  train_step_fn, eval_step_fn = jax.jit(train_step), jax.jit(eval_step)
+  test = None
+  pending, log_step, log_time = [], step, time.perf_counter()
+  with stop_requests() as stop, tqdm.tqdm(
+      total=run.total_steps, initial=step, desc="train", unit="step", disable=None, dynamic_ncols=True
+  ) as bar:
+    while step < run.total_steps:
+      state, sums = train_step_fn(state, next(run.train_batches), run.dropout_key)
+      step += 1
+      pending.append(sums)
+      bar.update()
+      last = step == run.total_steps
+      record: dict[str, Any] = {}
+      if step % config.train.log_every == 0 or last:
+        now = time.perf_counter()
+        pending = jax.device_get(pending)
+        train = mean_metrics({key: sum(s[key] for s in pending) for key in pending[0]})
+        record.update(
+            loss=train["loss"],
+            accuracy=train["accuracy"],
+            learning_rate=float(schedule(step - 1)),
+            examples_per_second=(step - log_step) * batch_size / (now - log_time),
+        )
+        bar.set_postfix(loss=f"{train['loss']:.4f}", accuracy=f"{train['accuracy']:.4f}")
+        if bar.disable:
+          write(_line(step, train))
+        pending, log_step, log_time = [], step, now
+      if (config.train.eval_every and step % config.train.eval_every == 0) or last:
+        test = _evaluate(eval_step_fn, state, run.eval_batches)
+        record.update(test)
+        write(_line(step, test))
+      if record:
+        metrics.append(metrics_path, {"step": step, **record})
+      for hook in hooks:
+        hook(step)
+      stopping = bool(stop) and not last
+      if step % config.train.checkpoint_every == 0 or last or stopping:
+        progress = {"data": run.train_batches.state(), "wall_seconds": wall_seconds()}
+        checkpoints.save(step, state, progress)
+      if stopping:
+        raise Interrupted(stop.signal_name, step, str(workdir))
+  if test is None:  # The run had already reached its last step.
+    test = _evaluate(eval_step_fn, state, run.eval_batches)
+    write(_line(step, test))
+  summary = {
+      **test,
+      "steps": step,
+      "wall_seconds": wall_seconds(),
+      "params": num_params,
+      "config": to_dict(config),
+  }
+  metrics.write_summary(workdir / SUMMARY_FILE, summary)
+  metrics.plot_curves(metrics.read(metrics_path), workdir / CURVES_FILE)
+  return summary
+
+
+def evaluate(workdir: str | pathlib.Path) -> dict[str, Any]:
+  """Evaluates the latest checkpoint of a `train_and_evaluate` workdir on the whole test split.
+
+  The model and data come from the workdir's `config.yaml`.
+
+  Args:
+    workdir: the run's directory.
+
+  Returns:
+    {"step": the checkpoint's step, "test_loss", "test_accuracy", "test_examples"}.
+
+  Raises:
+    FileNotFoundError: if `workdir` has no config or no checkpoint.
+  """
+  workdir = pathlib.Path(workdir)
+  for name in (CONFIG_FILE, CHECKPOINT_DIR):
+    if not (workdir / name).exists():
+      raise FileNotFoundError(f"{workdir} has no {name}; is it the workdir of a training run?")
+  config = load_config(workdir / CONFIG_FILE)
+  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
+  try:
+    step = checkpoints.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint.")
+    run = _setup(config)
+    state, _ = checkpoints.restore(run.state, step)
+  finally:
+    checkpoints.close()
+  test = _evaluate(jax.jit(eval_step), state, run.eval_batches)
+  return {"step": step, **test, "test_examples": run.dataset.num_test}

@@ -1,0 +1,129 @@
+"""The train state and the pure step functions: cross-entropy loss, `train_step`, `eval_step`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+Array = jax.Array
+Batch = dict[str, Array]
+
+
+class TrainState(train_state.TrainState):
+  """Parameters, optimizer state and step, plus the BatchNorm running averages.
+
+  Attributes:
+    batch_stats: the "batch_stats" collection; `{}` for a model without BatchNorm.
+  """
+
+  batch_stats: Any = None
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, example: Batch, key: Array,
+                       mode: str) -> TrainState:
+  """Initialises `model` on `example`'s shapes and wraps it with the optimizer.
+
+  Args:
+    model: a `ssmkit.layers.SequenceModel`.
+    tx: the optimizer.
+    example: a batch with "x" and optionally "mask" (only shapes and dtypes matter).
+    key: PRNG key of the parameter initialisation.
+    mode: scan mode of the SSM layers, bound into the state's `apply_fn`.
+
+  Returns:
+    The state at step 0.
+  """
+  variables = jax.jit(lambda k: model.init(k, example["x"], example.get("mask"), mode=mode))(key)
+  state = TrainState.create(
+      apply_fn=functools.partial(model.apply, mode=mode),
+      params=variables["params"],
+      tx=tx,
+      batch_stats=variables.get("batch_stats", {}),
+  )
+  # An int32 array, not the Python int 0, so the first step does not trace with a weak type.
+  return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def metric_sums(logits: Array, batch: Batch) -> dict[str, Array]:
+  """Summed cross-entropy and correct predictions over the scored targets, and their number.
+
+  Targets -1 (per-step tasks) and examples with "valid" False (eval padding) are not scored.
+
+  Args:
+    logits: `(B, C)` for labels `(B,)`, or `(B, T, C)` for per-step targets `(B, T)`.
+    batch: "y", `(B,)` or `(B, T)` int targets; optionally "valid", `(B,)` bool.
+
+  Returns:
+    {"loss": sum of cross-entropies, "correct": number of correct argmax predictions,
+    "count": number of scored targets}, float32 scalars.
+  """
+  y = batch["y"]
+  scored = y >= 0
+  if "valid" in batch:
+    scored = scored & (batch["valid"] if y.ndim == 1 else batch["valid"][:, None])
+  labels = jnp.where(scored, y, jnp.zeros_like(y))
+  weight = scored.astype(jnp.float32)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  return {"loss": jnp.sum(loss * weight), "correct": jnp.sum(correct * weight), "count": jnp.sum(weight)}
+
+
+def train_step(state: TrainState, batch: Batch, rng: Array) -> tuple[TrainState, dict[str, Array]]:
+  """One AdamW step on the mean cross-entropy of `batch`.
+
+  Args:
+    state: the current state.
+    batch: "x" `(B, T, F)` or `(B, T)` tokens, "y" `(B,)` or `(B, T)`, optionally "mask" `(B, T)`.
+    rng: the run's dropout key; the step's key is `fold_in(rng, state.step)`, so a resumed run
+      draws the same dropout masks.
+
+  Returns:
+    The new state and the batch's `metric_sums` before the update.
+  """
+  dropout_key = jax.random.fold_in(rng, state.step)
+
+  def loss_fn(params: Any) -> tuple[Array, tuple[dict[str, Array], Any]]:
+    logits, updates = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats},
+        batch["x"],
+        batch.get("mask"),
+        train=True,
+        rngs={"dropout": dropout_key},
+        mutable=["batch_stats"],
+    )
+    sums = metric_sums(logits, batch)
+    return sums["loss"] / jnp.maximum(sums["count"], 1.0), (sums, updates)
+
+  grads, (sums, updates) = jax.grad(loss_fn, has_aux=True)(state.params)
+  state = state.apply_gradients(grads=grads)
+  state = state.replace(batch_stats=updates.get("batch_stats", state.batch_stats))
+  return state, sums
+
+
+def eval_step(state: TrainState, batch: Batch) -> dict[str, Array]:
+  """The metric sums of `batch` with dropout off and BatchNorm on its running averages.
+
+  Args:
+    state: the state to evaluate.
+    batch: like `train_step`'s, plus "valid" `(B,)` bool, False on padding examples.
+
+  Returns:
+    `metric_sums` of the batch.
+  """
+  logits = state.apply_fn(
+      {"params": state.params, "batch_stats": state.batch_stats}, batch["x"], batch.get("mask"),
+      train=False,
+  )
+  return metric_sums(logits, batch)
+
+
+def mean_metrics(sums: dict[str, Any]) -> dict[str, float]:
+  """{"loss", "accuracy"}: the means over the scored targets of (summed) `metric_sums`."""
+  count = max(float(sums["count"]), 1.0)
+  return {"loss": float(sums["loss"]) / count, "accuracy": float(sums["correct"]) / count}
