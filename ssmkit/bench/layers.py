@@ -1,0 +1,219 @@
+"""`ssmkit bench layers`: throughput and memory of each SSM layer per mode, and the compile
+time of a deep model with its blocks unrolled or scanned.
+
+Each layer maps float32 inputs `(B, T, H)` ~ N(0, 1) to outputs of the same shape; the
+forward pass and the gradient of sum(y * w) with respect to the parameters and the inputs
+(w ~ N(0, 1)) are timed for every mode. "parallel" runs the recurrence through
+`lax.associative_scan`, as the S5 and LRU reference implementations do, so the
+"x parallel" column is the speed over that way of writing the layer. Every mode is first
+checked against the sequential mode, so the table compares equal results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit import layers
+from ssmkit.bench import _timing
+
+Array = jax.Array
+
+SCAN_MODES = ("auto", "sequential", "parallel", "chunked")
+REFERENCE = "parallel"
+_RTOL = 1e-3
+
+LAYERS: dict[str, Callable[..., nn.Module]] = {
+    "LRU": functools.partial(layers.LRU, d_state=64),
+    "S4D": functools.partial(layers.S4D, d_state=64),
+    "S5": functools.partial(layers.S5, d_state=64),
+    "Mamba": functools.partial(layers.Mamba, d_state=16),
+}
+
+
+def modes(layer: str) -> tuple[str, ...]:
+  """Every mode of `layer`."""
+  return (*SCAN_MODES, "convolution") if layer == "S4D" else SCAN_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """Inputs `(batch, length, features)`."""
+
+  batch: int
+  length: int
+  features: int
+
+  def __str__(self) -> str:
+    return f"B={self.batch} T={self.length} H={self.features}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """Layer shapes and modes, and the depth and shape of the compile-time comparison."""
+
+  shapes: tuple[Shape, ...]
+  depth: int
+  model_shape: Shape
+  only_modes: tuple[str, ...] | None = None  # None: every mode of each layer
+
+
+SUITES = {
+    "full": Suite((Shape(16, 256, 64), Shape(8, 2048, 64), Shape(1, 16384, 64)), 8, Shape(8, 256, 64)),
+    "small": Suite((Shape(2, 17, 4),), 3, Shape(2, 9, 4), only_modes=("sequential", REFERENCE)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One row: seconds per call and temp bytes, forward and forward+backward."""
+
+  layer: str
+  shape: Shape
+  mode: str
+  forward_s: float
+  backward_s: float
+  forward_bytes: int | None
+  backward_bytes: int | None
+
+
+def _functions(layer: nn.Module, mode: str, w: Array) -> tuple[Callable[..., Array], Callable[..., Any]]:
+  forward = lambda params, x: layer.apply(params, x, mode=mode)
+  loss = lambda params, x: jnp.sum(forward(params, x) * w)
+  return forward, jax.grad(loss, argnums=(0, 1))
+
+
+def _bench_layer(name: str, shape: Shape, suite: Suite, repeats: int, key: Array) -> list[Result]:
+  k_x, k_w, k_p = jax.random.split(key, 3)
+  dims = (shape.batch, shape.length, shape.features)
+  x, w = jax.random.normal(k_x, dims), jax.random.normal(k_w, dims)
+  layer = LAYERS[name]()
+  params = layer.init(k_p, x)
+  compiled = {}
+  for mode in suite.only_modes or modes(name):
+    forward, gradient = _functions(layer, mode, w)
+    compiled[mode] = (_timing.compile_timed(forward, params, x)[0],
+                      _timing.compile_timed(gradient, params, x)[0])
+  want = np.asarray(compiled["sequential"][0](params, x))
+  for mode, (forward, _) in compiled.items():
+    got = np.asarray(forward(params, x))
+    if not np.all(np.abs(got - want) <= _RTOL * (np.abs(want) + np.abs(want).max())):
+      raise RuntimeError(f"{name} mode {mode} disagrees with the sequential mode at {shape}.")
+  times = [
+      _timing.interleaved_medians(
+          {mode: functools.partial(fns[i], params, x) for mode, fns in compiled.items()},
+          repeats=repeats,
+      )
+      for i in (0, 1)
+  ]
+  return [
+      Result(name, shape, mode, times[0][mode], times[1][mode], _timing.temp_bytes(fwd),
+             _timing.temp_bytes(bwd))
+      for mode, (fwd, bwd) in compiled.items()
+  ]
+
+
+def _mib(n: int | None) -> str:
+  return "n/a" if n is None else _timing.significant(n / 2**20)
+
+
+def _layer_table(results: list[Result], markdown: bool) -> str:
+  rows = []
+  for layer, shape in dict.fromkeys((r.layer, r.shape) for r in results):
+    group = [r for r in results if (r.layer, r.shape) == (layer, shape)]
+    base = next(r for r in group if r.mode == REFERENCE)
+    tokens = shape.batch * shape.length
+    rows.extend(
+        (
+            layer,
+            str(shape),
+            r.mode,
+            _timing.significant(tokens / r.forward_s / 1e6),
+            f"{base.forward_s / r.forward_s:.2f}",
+            _timing.significant(tokens / r.backward_s / 1e6),
+            f"{base.backward_s / r.backward_s:.2f}",
+            _mib(r.forward_bytes),
+            _mib(r.backward_bytes),
+        )
+        for r in group
+    )
+  headers = ("layer", "shape", "mode", "fwd Mtok/s", "x parallel", "fwd+bwd Mtok/s", "x parallel",
+             "fwd temp MiB", "fwd+bwd temp MiB")
+  return _timing.format_table(headers, rows, markdown=markdown, labels=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthResult:
+  """Compile and step time of one training step of a deep model."""
+
+  blocks: str
+  compile_s: float
+  step_s: float
+
+
+def _bench_depth(suite: Suite, repeats: int, key: Array) -> list[DepthResult]:
+  """Gradient of a `suite.depth`-block LRU classifier, blocks unrolled against `nn.scan`."""
+  shape = suite.model_shape
+  x = jax.random.normal(key, (shape.batch, shape.length, shape.features))
+  labels = jnp.arange(shape.batch) % 10
+  results, steps = [], {}
+  for scan_blocks in (False, True):
+    model = layers.SequenceModel(num_outputs=10, layer=LAYERS["LRU"], features=shape.features,
+                                 num_blocks=suite.depth, scan_blocks=scan_blocks)
+    params = model.init(key, x)
+
+    def loss(params, x, model=model):
+      logits = model.apply(params, x)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+    name = "nn.scan" if scan_blocks else "unrolled"
+    compiled, seconds = _timing.compile_timed(jax.grad(loss), params, x)
+    steps[name] = functools.partial(compiled, params, x)
+    results.append(DepthResult(name, seconds, 0.0))
+  times = _timing.interleaved_medians(steps, repeats=repeats)
+  return [dataclasses.replace(r, step_s=times[r.blocks]) for r in results]
+
+
+def _depth_table(results: list[DepthResult], markdown: bool) -> str:
+  rows = [(r.blocks, f"{r.compile_s:.2f}", _timing.significant(r.step_s * 1e3)) for r in results]
+  return _timing.format_table(("blocks", "compile s", "grad step ms"), rows, markdown=markdown)
+
+
+def run(*, shapes: str, repeats: int, markdown: bool) -> int:
+  """Runs the suite `shapes` ("full" or "small") and prints both tables.
+
+  Returns:
+    0, the exit status.
+  """
+  suite = SUITES[shapes]
+  results = []
+  cells = [(name, shape) for shape in suite.shapes for name in LAYERS]
+  for i, (name, shape) in enumerate(cells):
+    print(f"[{i + 1}/{len(cells)}] {name} {shape}", file=sys.stderr, flush=True)
+    results.extend(_bench_layer(name, shape, suite, repeats, jax.random.key(i)))
+  print(f"[depth] {suite.depth}-block LRU model {suite.model_shape}", file=sys.stderr, flush=True)
+  depth = _bench_depth(suite, repeats, jax.random.key(len(cells)))
+  device = jax.devices()[0]
+  print(
+      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+      f"{repeats} samples, modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
+      f"(lax.associative_scan) mode's time over the mode's. Layers: "
+      + ", ".join(f"{n}(d_state={f.keywords['d_state']})" for n, f in LAYERS.items())
+      + "."
+  )
+  print()
+  print(_layer_table(results, markdown))
+  print()
+  print(f"Gradient of a {suite.depth}-block LRU classifier at {suite.model_shape}: blocks unrolled "
+        f"against nn.scan over stacked parameters.")
+  print()
+  print(_depth_table(depth, markdown))
+  return 0
