@@ -82,6 +82,32 @@ def test_reset_cuts_information_flow(layer):
   assert not np.allclose(layer.apply(params, x)[:, 9:], layer.apply(params, changed)[:, 9:])
 
 
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_sequence_continues_from_a_state_and_returns_the_last(layer, mode):
+  """Steps 0..5 one at a time, then 6..18 as a sequence from that state, equal all 19 stepped."""
+  x, reset = _x((2, 19, 4)), _resets((2, 19))
+  params = layer.init(jax.random.key(0), x)
+  step = jax.jit(lambda s, x_t, r_t: layer.apply(params, s, x_t, r_t, method="step"))
+  state, stepped = layer.initialize_state((2, 4)), []
+  for t in range(19):
+    if t == 6:
+      middle = state
+    state, y_t = step(state, x[:, t], reset[:, t])
+    stepped.append(y_t)
+  y, last = layer.apply(params, x[:, 6:], reset[:, 6:], mode=mode, initial_state=middle,
+                        return_state=True)
+  _assert_close(y, jnp.stack(stepped[6:], axis=1))
+  for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):
+    _assert_close(got, want)
+
+
+def test_initial_state_of_the_wrong_shape_is_refused(layer):
+  x = _x((2, 5, 4))
+  params = layer.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="initial_state"):
+    layer.apply(params, x, initial_state=layer.initialize_state((3, 4)))
+
+
 def test_jit_vmap_and_shapes(layer):
   x = _x((2, 9, 4))
   params = layer.init(jax.random.key(0), x)

@@ -101,6 +101,24 @@ def test_model_sequence_equals_step_by_step(scan_blocks, tokens):
   _assert_close(model.apply(variables, x, reset=reset), _stepped(model, variables, x, reset))
 
 
+@pytest.mark.parametrize("scan_blocks", [False, True])
+def test_model_continues_a_rollout_from_its_state(scan_blocks):
+  """A rollout stepped from a mid-episode state, re-run as one sequence from that state."""
+  model = _model(pooling="none", scan_blocks=scan_blocks, layer=SMALL_LAYERS["Mamba"])
+  x, reset = _x((3, 12, 2)), jax.random.bernoulli(jax.random.key(1), 0.2, (3, 12))
+  variables = model.init(jax.random.key(0), x)
+  _, start = model.apply(variables, _x((3, 5, 2), seed=4), return_state=True)
+  step = jax.jit(lambda s, x_t, r_t: model.apply(variables, s, x_t, r_t, method="step"))
+  state, stepped = start, []
+  for t in range(12):
+    state, y_t = step(state, x[:, t], reset[:, t])
+    stepped.append(y_t)
+  y, last = model.apply(variables, x, reset=reset, initial_state=start, return_state=True)
+  _assert_close(y, jnp.stack(stepped, axis=1))
+  for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):
+    _assert_close(got, want)
+
+
 def test_scanned_blocks_equal_unrolled_blocks():
   unrolled, scanned = _model(num_blocks=3), _model(num_blocks=3, scan_blocks=True)
   x = _x((2, 12, 2))

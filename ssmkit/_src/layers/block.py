@@ -76,19 +76,22 @@ class SSMBlock(nn.Module):
   prenorm: bool = True
 
   @nn.compact
-  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
-               mode: str | Mode, train: bool) -> tuple[Any, Array]:
-    """The block on a sequence (`state` None) or on one step from `state`."""
+  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
+               return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+    """The block on one step, or on a sequence (from `state` unless None), and the SSM's state."""
     check_choice(self.activation, ACTIVATIONS, "activation")
     norm = Norm(self.norm, name="norm")
     ssm = self.layer(name="ssm")
     y = norm(x, mask, train=train) if self.prenorm else x
     if mask is not None:
       y = jnp.where(mask[..., None], y, jnp.zeros_like(y))
-    if state is None:
+    if single_step:
+      state, y = ssm.step(state, y, reset)
+    elif state is None and not return_state:
       y = ssm(y, reset, mode=mode)
     else:
-      state, y = ssm.step(state, y, reset)
+      # Only asked for when used, so any layer with the basic contract fits the stateless path.
+      y, state = ssm(y, reset, mode=mode, initial_state=state, return_state=True)
     drop = nn.Dropout(self.dropout_rate, deterministic=not train)
     y = drop(nn.gelu(y))
     if self.activation == "glu":
@@ -100,23 +103,28 @@ class SSMBlock(nn.Module):
     return state, y if self.prenorm else norm(y, mask, train=train)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               mode: str | Mode = "auto", train: bool = False) -> Array:
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
+               train: bool = False) -> Array | tuple[Array, Any]:
     """Runs the block over a whole sequence.
 
     Args:
       x: `(..., T, H)` inputs.
       mask: optional `(..., T)` booleans, True on real steps.
       reset: optional `(..., T)` booleans; True clears the SSM state before that step.
+      initial_state: optional SSM state to start from, as `step` makes it; default zeros.
+      return_state: also return the SSM state after the last step (padding included).
       mode: scan mode of the SSM layer.
       train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
         `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
     mask = check_mask(mask, x)
-    return self._forward(x, mask, reset, None, mode=mode, train=train)[1]
+    state, y = self._forward(x, mask, reset, initial_state, single_step=False,
+                             return_state=return_state, mode=mode, train=train)
+    return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The SSM layer's zero state for inputs `(*batch, H)` of one step."""
@@ -134,7 +142,8 @@ class SSMBlock(nn.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, H)`.
     """
     x_t, reset = common.check_step(x_t, reset)
-    return self._forward(x_t, None, reset, state, mode="auto", train=False)
+    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
+                         train=False)
 
 
 def check_mask(mask: Array | None, x: Array) -> Array | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -54,3 +56,16 @@ def shift_back(x: Array, axis: int) -> Array:
   """x_{t+1} at t along `axis`, zero at the last step."""
   rest = jax.lax.slice_in_dim(x, 1, x.shape[axis], axis=axis)
   return jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
+
+
+def check_initial_state(initial_state: Any, expected: Any) -> None:
+  """Checks that `initial_state` is None or has the structure, shapes and dtypes of `expected`."""
+  if initial_state is None:
+    return
+  got = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), initial_state)
+  want = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), expected)
+  if got != want:
+    raise ValueError(
+        "`initial_state` must be a state like `initialize_state` makes for these inputs: "
+        f"{want}, got {got}."
+    )

@@ -92,24 +92,32 @@ class LRU(nn.Module):
   def _output(self, h: Array, x: Array, c_re: Array, c_im: Array, d: Array) -> Array:
     return h.real @ c_re.T - h.imag @ c_im.T + x * common.leading_ones(d, x.ndim)
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto") -> Array:
+  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
+               initial_state: Array | None = None, return_state: bool = False
+               ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
 
     Args:
       x: `(..., T, H)` inputs.
       reset: optional `(..., T)` booleans; True clears the state before that step.
       mode: scan mode of the recurrence ("auto", "sequential", "parallel", "chunked").
+      initial_state: optional `(..., d_state)` complex state to start from, as `step` makes
+        it; default zeros.
+      return_state: also return the state after the last step.
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
+    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = self._input(xf, b_re, b_im)
     flags = None if reset is None else reset[..., None]
-    h = linear_recurrence(lam, inputs, reset=flags, axis=-2, mode=mode)
-    return self._output(h, xf, c_re, c_im, d).astype(x.dtype)
+    h, last = linear_recurrence(lam, inputs, initial_state, reset=flags, axis=-2, mode=mode,
+                                return_final_state=True)
+    y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
+    return (y, last) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, d_state)` complex64 for inputs `(*batch, H)` of one step."""

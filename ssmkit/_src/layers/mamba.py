@@ -121,43 +121,74 @@ class Mamba(nn.Module):
     y = y + u * common.leading_ones(p.d, u.ndim)
     return (y * jax.nn.silu(z)) @ p.w_out
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto") -> Array:
+  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+               initial_state: MambaState | None = None, return_state: bool = False
+               ) -> Array | tuple[Array, MambaState]:
     """Runs the whole sequence.
 
     Args:
       x: `(..., T, H)` inputs.
       reset: optional `(..., T)` booleans; True starts a new episode at that step.
       mode: scan mode of the selective recurrence.
+      initial_state: optional `MambaState` to start from, as `step` makes it; default zeros.
+      return_state: also return the state after the last step.
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
+    zero = self.initialize_state(x.shape[:-2] + x.shape[-1:])
+    common.check_initial_state(initial_state, zero)
     p = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inner = p.d.shape[0]
     v, z = xf @ p.w_in[:, :inner], xf @ p.w_in[:, inner:]
-    u = jax.nn.silu(self._convolve(p, v, reset))
+    conv, window = self._convolve(p, v, (initial_state or zero).conv, reset)
+    u = jax.nn.silu(conv)
     dt, b, c = self._selective(p, u)
     decay = jnp.exp(dt[..., None] * common.leading_ones(p.a, dt.ndim + 1))
     inputs = (dt * u)[..., None] * b[..., None, :]
     flags = None if reset is None else reset[..., None, None]
-    h = linear_recurrence(decay, inputs, reset=flags, axis=-3, mode=mode)
+    h0 = None if initial_state is None else initial_state.ssm
+    h, last = linear_recurrence(decay, inputs, h0, reset=flags, axis=-3, mode=mode,
+                                return_final_state=True)
     y = jnp.einsum("...dn,...n->...d", h, c)
-    return self._gate_and_project(p, y, u, z).astype(x.dtype)
+    y = self._gate_and_project(p, y, u, z).astype(x.dtype)
+    return (y, MambaState(window, last)) if return_state else y
 
-  def _convolve(self, p: _Params, v: Array, reset: Array | None) -> Array:
-    """Causal depthwise convolution over time (axis -2) that does not reach across resets."""
-    length = v.shape[-2]
-    episode = None if reset is None else jnp.cumsum(reset, axis=-1)
+  def _convolve(self, p: _Params, v: Array, window: Array, reset: Array | None) -> tuple[Array, Array]:
+    """Causal depthwise convolution over time (axis -2) that does not reach across resets.
+
+    Args:
+      p: the parameters.
+      v: `(..., T, d_inner)` inputs.
+      window: `(..., d_conv - 1, d_inner)` inputs before the first step.
+      reset: optional `(..., T)` episode starts.
+
+    Returns:
+      The `(..., T, d_inner)` convolution and the window after the last step, as `step` keeps it.
+    """
+    length, past = v.shape[-2], self.d_conv - 1
+    extended = jnp.concatenate([window.astype(v.dtype), v], axis=-2)
+    # Episode number of every extended step; the window belongs to the episode before any reset.
+    episode = None
+    if reset is not None:
+      episode = jnp.concatenate(
+          [jnp.zeros((*reset.shape[:-1], past), jnp.int32), jnp.cumsum(reset, axis=-1, dtype=jnp.int32)],
+          axis=-1,
+      )
     out = common.leading_ones(p.conv_bias, v.ndim)
-    for lag in range(min(self.d_conv, length)):
-      past = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(lag, 0), (0, 0)])[..., :length, :]
+    for lag in range(self.d_conv):
+      earlier = extended[..., past - lag : past - lag + length, :]
       if episode is not None:
-        same = jnp.pad(episode, [(0, 0)] * (episode.ndim - 1) + [(lag, 0)], constant_values=-1)
-        past = jnp.where((same[..., :length] == episode)[..., None], past, 0.0)
-      out = out + past * common.leading_ones(p.conv_kernel[self.d_conv - 1 - lag], v.ndim)
-    return out
+        same = episode[..., past - lag : past - lag + length] == episode[..., past:]
+        earlier = jnp.where(same[..., None], earlier, jnp.zeros_like(earlier))
+      out = out + earlier * common.leading_ones(p.conv_kernel[past - lag], v.ndim)
+    window = extended[..., length:, :]
+    if episode is not None:
+      current = episode[..., length:] == episode[..., -1:]
+      window = jnp.where(current[..., None], window, jnp.zeros_like(window))
+    return out, window.astype(jnp.float32)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> MambaState:
     """Zero convolution window and SSM state for inputs `(*batch, H)` of one step."""

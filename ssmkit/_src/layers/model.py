@@ -22,18 +22,18 @@ class _ScannedBlock(nn.Module):
   """One `SSMBlock` in the carry-first form `nn.scan` applies across stacked blocks."""
 
   config: dict[str, Any]
+  single_step: bool
+  return_state: bool
   mode: str | Mode = "auto"
   train: bool = False
 
   def setup(self) -> None:
     self.block = SSMBlock(**self.config)
 
-  def __call__(self, x: Array, mask: Array | None, reset: Array | None) -> tuple[Array, None]:
-    return self.block(x, mask, reset, mode=self.mode, train=self.train), None
-
-  def step(self, x_t: Array, state: Any, reset: Array | None) -> tuple[Array, Any]:
-    state, x_t = self.block.step(state, x_t, reset)
-    return x_t, state
+  def __call__(self, x: Array, state: Any, mask: Array | None, reset: Array | None) -> tuple[Array, Any]:
+    state, x = self.block._forward(x, mask, reset, state, single_step=self.single_step,
+                                   return_state=self.return_state, mode=self.mode, train=self.train)
+    return x, state
 
 
 class SequenceModel(nn.Module):
@@ -75,17 +75,15 @@ class SequenceModel(nn.Module):
     return dict(layer=self.layer, norm=self.norm, activation=self.activation,
                 dropout_rate=self.dropout_rate, prenorm=self.prenorm)
 
-  def _scanned(self, mode: str | Mode, train: bool) -> nn.Module:
-    common_kwargs = dict(
+  def _scanned(self, **flags: Any) -> nn.Module:
+    scan = nn.scan(
+        _ScannedBlock,
         variable_axes={"params": 0, "batch_stats": 0},
         split_rngs={"params": True, "dropout": True},
+        in_axes=(0, nn.broadcast, nn.broadcast),
         length=self.num_blocks,
     )
-    scan = nn.scan(_ScannedBlock, methods={
-        "__call__": {**common_kwargs, "in_axes": (nn.broadcast, nn.broadcast)},
-        "step": {**common_kwargs, "in_axes": (0, nn.broadcast)},
-    })
-    return scan(self._block_config(), mode, train, name="blocks")
+    return scan(self._block_config(), **flags, name="blocks")
 
   def _encode(self, x: Array) -> Array:
     if self.vocab_size is None:
@@ -93,30 +91,24 @@ class SequenceModel(nn.Module):
     return nn.Embed(self.vocab_size, self.features, name="encoder")(x)
 
   @nn.compact
-  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
-               mode: str | Mode, train: bool) -> tuple[Any, Array]:
-    """The model on a sequence (`state` None) or on one step from `state`."""
+  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
+               return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+    """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
     check_choice(self.pooling, POOLINGS, "pooling")
     x = self._encode(x)
+    flags = dict(single_step=single_step, return_state=return_state, mode=mode, train=train)
     if self.scan_blocks:
-      blocks = self._scanned(mode, train)
-      if state is None:
-        x, _ = blocks(x, mask, reset)
-      else:
-        x, state = blocks.step(x, state, reset)
+      x, state = self._scanned(**flags)(x, state, mask, reset)
     else:
-      new_state = []
+      states = []
       for i in range(self.num_blocks):
         block = SSMBlock(**self._block_config(), name=f"block_{i}")
-        if state is None:
-          x = block(x, mask, reset, mode=mode, train=train)
-        else:
-          block_state, x = block.step(state[i], x, reset)
-          new_state.append(block_state)
-      state = None if state is None else tuple(new_state)
+        block_state, x = block._forward(x, mask, reset, None if state is None else state[i], **flags)
+        states.append(block_state)
+      state = tuple(states)
     if self.prenorm:
       x = Norm(self.norm, name="final_norm")(x, mask, train=train)
-    if state is None:
+    if not single_step:
       x = _pool(x, mask, self.pooling)
     return state, nn.Dense(self.num_outputs, name="decoder")(x)
 
@@ -130,19 +122,25 @@ class SequenceModel(nn.Module):
     return x
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               mode: str | Mode = "auto", train: bool = False) -> Array:
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
+               train: bool = False) -> Array | tuple[Array, Any]:
     """Runs the model over whole sequences.
 
     Args:
       x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
       mask: optional `(..., T)` booleans, True on real steps; padding must come after them.
       reset: optional `(..., T)` booleans; True clears every block's state before that step.
+      initial_state: optional state to start from, as `initialize_state` or `step` makes it
+        (e.g. the state at the start of a rollout); default zeros.
+      return_state: also return the state after the last step (padding included), from which
+        `step` or another call continues.
       mode: scan mode of the SSM layers.
       train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
         `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
 
     Returns:
-      `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`.
+      `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
+      `(outputs, state)`.
     """
     x = self._check_inputs(x, 1, "x")
     steps = x.shape if self.vocab_size is not None else x.shape[:-1]
@@ -151,7 +149,9 @@ class SequenceModel(nn.Module):
     elif reset is not None:
       common.check_sequence(jnp.zeros((*steps, 1)), reset)
     mask = check_mask(mask, jnp.zeros((*steps, 1), bool))
-    return self._forward(x, mask, reset, None, mode=mode, train=train)[1]
+    state, y = self._forward(x, mask, reset, initial_state, single_step=False,
+                             return_state=return_state, mode=mode, train=train)
+    return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens."""
@@ -179,7 +179,8 @@ class SequenceModel(nn.Module):
       x_t, reset = common.check_step(x_t, reset)
     elif reset is not None:
       common.check_step(jnp.zeros((*x_t.shape, 1)), reset)
-    return self._forward(x_t, None, reset, state, mode="auto", train=False)
+    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
+                         train=False)
 
 
 def _pool(x: Array, mask: Array | None, pooling: str) -> Array:
@@ -197,10 +198,11 @@ def _pool(x: Array, mask: Array | None, pooling: str) -> Array:
 
 def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int, *,
              rng: Array | None = None, temperature: float = 1.0) -> Array:
-  """Continues token sequences with a causal `SequenceModel` run step by step.
+  """Continues token sequences with a causal `SequenceModel`.
 
-  The prompt is fed one token at a time (O(1) memory in its length), then each next token is
-  drawn from softmax(logits / temperature), or taken greedily when `temperature` is 0.
+  The prompt runs as one sequence (in any scan mode's parallel form), then the model continues
+  one step at a time from its last state: each next token is drawn from
+  softmax(logits / temperature), or taken greedily when `temperature` is 0.
 
   Args:
     model: a `SequenceModel` with `vocab_size` set and pooling "none".
@@ -224,8 +226,7 @@ def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int
   if temperature > 0 and rng is None:
     raise ValueError("`rng` is needed to sample with `temperature` > 0.")
   step = lambda state, token: model.apply(variables, state, token, method="step")
-  tokens = jnp.moveaxis(prompt, -1, 0)
-  state, logits = jax.lax.scan(step, model.initialize_state(tokens.shape[1:]), tokens)
+  logits, state = model.apply(variables, prompt, return_state=True)
   keys = jax.random.split(jax.random.key(0) if rng is None else rng, num_steps)
 
   def sample(carry, key):
@@ -237,5 +238,5 @@ def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int
     token = token.astype(jnp.int32)
     return step(state, token), token
 
-  _, generated = jax.lax.scan(sample, (state, logits[-1]), keys)
+  _, generated = jax.lax.scan(sample, (state, logits[..., -1, :]), keys)
   return jnp.moveaxis(generated, 0, -1)

@@ -88,7 +88,9 @@ class S4D(nn.Module):
     powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
     return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto") -> Array:
+  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+               initial_state: Array | None = None, return_state: bool = False
+               ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
 
     Args:
@@ -96,24 +98,35 @@ class S4D(nn.Module):
       reset: optional `(..., T)` booleans; True clears the state before that step (in
         both directions when bidirectional).
       mode: "convolution", or a scan mode ("auto", "sequential", "parallel", "chunked");
-        "auto" convolves when `reset` is None.
+        "auto" convolves when there is no `reset`, `initial_state` or `return_state`.
+      initial_state: optional `(..., H, d_state / 2)` complex state to start from, as `step`
+        makes it; default zeros (causal S4D, scan modes).
+      return_state: also return the state after the last step (causal S4D, scan modes).
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    if mode == CONVOLUTION and reset is not None:
-      raise ValueError("`mode='convolution'` cannot take `reset`: use a scan mode.")
-    if mode == "auto" and reset is None:
+    stateful = initial_state is not None or return_state
+    if self.bidirectional and stateful:
+      raise ValueError("a bidirectional S4D has no state to start from or return: it reads the future.")
+    if mode == CONVOLUTION and (reset is not None or stateful):
+      raise ValueError(
+          "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
+      )
+    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
+    if mode == "auto" and reset is None and not stateful:
       mode = CONVOLUTION
     length, features = x.shape[-2:]
     xf = x.astype(accumulation_dtype(x.dtype))
     _, _, _, d = self._parameters(features)
+    last = None
     if mode == CONVOLUTION:
       y = self._convolve(xf, self.kernel(length, features))
     else:
-      y = self._recurrence(xf, reset, mode)
-    return (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+      y, last = self._recurrence(xf, reset, mode, initial_state)
+    y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+    return (y, last) if return_state else y
 
   def _convolve(self, x: Array, k: Array) -> Array:
     length = x.shape[-2]
@@ -131,11 +144,14 @@ class S4D(nn.Module):
       y = y + common.shift_back(backward, axis=-2)
     return y
 
-  def _recurrence(self, x: Array, reset: Array | None, mode: str) -> Array:
+  def _recurrence(self, x: Array, reset: Array | None, mode: str, initial_state: Array | None
+                  ) -> tuple[Array, Array]:
+    """Outputs without the skip term, and the forward state after the last step."""
     a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
     inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
     flags = None if reset is None else reset[..., None, None]
-    h = linear_recurrence(a_bar, inputs, reset=flags, axis=-3, mode=mode)
+    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=flags, axis=-3, mode=mode,
+                                return_final_state=True)
     y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
     if self.bidirectional:
       # Step t reads the backward state after step t + 1: none when an episode starts there.
@@ -145,7 +161,7 @@ class S4D(nn.Module):
       if after is not None:
         h = jnp.where(after, jnp.zeros_like(h), h)
       y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
-    return y
+    return y, last
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, H, d_state / 2)` complex64 for inputs `(*batch, H)`."""

@@ -112,7 +112,9 @@ class S5(nn.Module):
     y = jnp.einsum("...m,hm->...h", h, c)
     return 2 * y.real if self.conj_sym else y.real
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto") -> Array:
+  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+               initial_state: Array | None = None, return_state: bool = False
+               ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
 
     Args:
@@ -120,22 +122,31 @@ class S5(nn.Module):
       reset: optional `(..., T)` booleans; True clears the state before that step (in
         both directions when bidirectional).
       mode: scan mode of the recurrence ("auto", "sequential", "parallel", "chunked").
+      initial_state: optional `(..., modes)` complex state to start from, as `step` makes it;
+        default zeros (causal S5 only).
+      return_state: also return the state after the last step (causal S5 only).
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
+    if self.bidirectional and (initial_state is not None or return_state):
+      raise ValueError("a bidirectional S5 has no state to start from or return: it reads the future.")
+    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
     lam_bar, b_bar, c, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = xf.astype(b_bar.dtype) @ b_bar.T
     flags = None if reset is None else reset[..., None]
-    y = self._read(linear_recurrence(lam_bar, inputs, reset=flags, axis=-2, mode=mode), c[0])
+    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=flags, axis=-2, mode=mode,
+                                return_final_state=True)
+    y = self._read(h, c[0])
     if self.bidirectional:
       # Backwards, step t starts afresh when a new episode starts at t + 1.
       after = None if flags is None else common.shift_back(flags, axis=-2)
       h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode)
       y = y + self._read(h, c[1])
-    return (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+    y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+    return (y, last) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, modes)` complex64 for inputs `(*batch, H)`."""
