@@ -1,5 +1,5 @@
 """`ssmkit bench layers`: throughput and memory of each SSM layer per mode, and the compile
-time of a deep model with its blocks unrolled or scanned.
+time of deep models with their blocks unrolled or scanned.
 
 Each layer maps float32 inputs `(B, T, H)` ~ N(0, 1) to outputs of the same shape; the
 forward pass and the gradient of sum(y * w) with respect to the parameters and the inputs
@@ -58,17 +58,19 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
-  """Layer shapes and modes, and the depth and shape of the compile-time comparison."""
+  """Layer shapes and modes, and the depths and shape of the compile-time comparison."""
 
   shapes: tuple[Shape, ...]
-  depth: int
+  depths: tuple[int, ...]
   model_shape: Shape
   only_modes: tuple[str, ...] | None = None  # None: every mode of each layer
 
 
 SUITES = {
-    "full": Suite((Shape(16, 256, 64), Shape(8, 2048, 64), Shape(1, 16384, 64)), 8, Shape(8, 256, 64)),
-    "small": Suite((Shape(2, 17, 4),), 3, Shape(2, 9, 4), only_modes=("sequential", REFERENCE)),
+    "full": Suite(
+        (Shape(16, 256, 64), Shape(8, 2048, 64), Shape(1, 16384, 64)), (2, 8, 32), Shape(8, 256, 64)
+    ),
+    "small": Suite((Shape(2, 17, 4),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE)),
 }
 
 
@@ -154,20 +156,20 @@ def _layer_table(results: list[Result], markdown: bool) -> str:
 class DepthResult:
   """Compile and step time of one training step of a deep model."""
 
+  depth: int
   blocks: str
   compile_s: float
   step_s: float
 
 
-def _bench_depth(suite: Suite, repeats: int, key: Array) -> list[DepthResult]:
-  """Gradient of a `suite.depth`-block LRU classifier, blocks unrolled against `nn.scan`."""
-  shape = suite.model_shape
+def _bench_depth(depth: int, shape: Shape, repeats: int, key: Array) -> list[DepthResult]:
+  """Gradient of a `depth`-block LRU classifier, blocks unrolled against `nn.scan`."""
   x = jax.random.normal(key, (shape.batch, shape.length, shape.features))
   labels = jnp.arange(shape.batch) % 10
   results, steps = [], {}
   for scan_blocks in (False, True):
     model = layers.SequenceModel(num_outputs=10, layer=LAYERS["LRU"], features=shape.features,
-                                 num_blocks=suite.depth, scan_blocks=scan_blocks)
+                                 num_blocks=depth, scan_blocks=scan_blocks)
     params = model.init(key, x)
 
     def loss(params, x, model=model):
@@ -177,14 +179,16 @@ def _bench_depth(suite: Suite, repeats: int, key: Array) -> list[DepthResult]:
     name = "nn.scan" if scan_blocks else "unrolled"
     compiled, seconds = _timing.compile_timed(jax.grad(loss), params, x)
     steps[name] = functools.partial(compiled, params, x)
-    results.append(DepthResult(name, seconds, 0.0))
+    results.append(DepthResult(depth, name, seconds, 0.0))
   times = _timing.interleaved_medians(steps, repeats=repeats)
   return [dataclasses.replace(r, step_s=times[r.blocks]) for r in results]
 
 
 def _depth_table(results: list[DepthResult], markdown: bool) -> str:
-  rows = [(r.blocks, f"{r.compile_s:.2f}", _timing.significant(r.step_s * 1e3)) for r in results]
-  return _timing.format_table(("blocks", "compile s", "grad step ms"), rows, markdown=markdown)
+  rows = [(str(r.depth), r.blocks, f"{r.compile_s:.2f}", _timing.significant(r.step_s * 1e3))
+          for r in results]
+  return _timing.format_table(("blocks", "applied as", "compile s", "grad step ms"), rows,
+                              markdown=markdown, labels=2)
 
 
 def run(*, shapes: str, repeats: int, markdown: bool) -> int:
@@ -199,8 +203,10 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   for i, (name, shape) in enumerate(cells):
     print(f"[{i + 1}/{len(cells)}] {name} {shape}", file=sys.stderr, flush=True)
     results.extend(_bench_layer(name, shape, suite, repeats, jax.random.key(i)))
-  print(f"[depth] {suite.depth}-block LRU model {suite.model_shape}", file=sys.stderr, flush=True)
-  depth = _bench_depth(suite, repeats, jax.random.key(len(cells)))
+  depth = []
+  for blocks in suite.depths:
+    print(f"[depth] {blocks}-block LRU model {suite.model_shape}", file=sys.stderr, flush=True)
+    depth.extend(_bench_depth(blocks, suite.model_shape, repeats, jax.random.key(blocks)))
   device = jax.devices()[0]
   print(
       f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
@@ -212,8 +218,8 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   print()
   print(_layer_table(results, markdown))
   print()
-  print(f"Gradient of a {suite.depth}-block LRU classifier at {suite.model_shape}: blocks unrolled "
-        f"against nn.scan over stacked parameters.")
+  print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
+        "over stacked parameters; compile s: tracing, lowering and compiling.")
   print()
   print(_depth_table(depth, markdown))
   return 0
