@@ -1,7 +1,7 @@
 """The `ssmkit` command line.
 
     ssmkit bench {scan,rl,layers} [--shapes small|full] [--repeats N] [--markdown]
-    ssmkit train CONFIG [--workdir DIR] [key=value ...]
+    ssmkit train CONFIG [--workdir DIR] [key=value ...]   (supervised or PPO, by the config)
     ssmkit eval --workdir DIR
 
 Each command is a subparser whose `run` default unpacks the parsed flags into a
@@ -29,6 +29,7 @@ _BENCHMARKS = {
     "scan": ("ssmkit.bench.scan", "linear_recurrence against lax.scan and lax.associative_scan"),
     "rl": ("ssmkit.bench.rl", "ssmkit.rl return estimators against jit(vmap(rlax)); needs rlax"),
     "layers": ("ssmkit.bench.layers", "every SSM layer per mode, and a deep model unrolled or scanned"),
+    "sequence-parallel": ("ssmkit.bench.sequence_parallel", "linear_recurrence over time-split devices"),
 }
 
 
@@ -61,7 +62,11 @@ def _run_train(args: argparse.Namespace) -> int:
 
   workdir = args.workdir or pathlib.Path("workdirs") / pathlib.Path(args.config).stem
   try:
-    summary = train.train_and_evaluate(train.load_config(args.config, args.overrides), workdir)
+    config = train.load_config(args.config, args.overrides)
+    if isinstance(config, train.PPOConfig):
+      summary, metric = train.train_ppo(config, workdir), "mean_episode_return"
+    else:
+      summary, metric = train.train_and_evaluate(config, workdir), "test_accuracy"
   except train.ConfigError as error:
     print(f"ssmkit train: error: {error}", file=sys.stderr)
     return 2
@@ -69,14 +74,25 @@ def _run_train(args: argparse.Namespace) -> int:
     print(f"ssmkit train: {error}", file=sys.stderr)
     return 128 + signal.Signals[error.signal_name].value
   print(f"workdir={workdir}")
-  print(f"test_accuracy={summary['test_accuracy']:.4f}")
+  print(f"{metric}={_number(summary[metric])}")
   return 0
+
+
+def _number(value: float | None) -> str:
+  """`value` with 4 decimals; "nan" for None (a PPO evaluation in which no episode ended)."""
+  return "nan" if value is None else f"{value:.4f}"
 
 
 def _run_eval(args: argparse.Namespace) -> int:
   from ssmkit import train
 
   try:
+    config_file = args.workdir / "config.yaml"
+    if config_file.is_file() and isinstance(train.load_config(config_file), train.PPOConfig):
+      result = train.evaluate_ppo(args.workdir)
+      print(f"step={result['step']} episodes={result['episodes']}")
+      print(f"mean_episode_return={_number(result['mean_episode_return'])}")
+      return 0
     result = train.evaluate(args.workdir)
   except (FileNotFoundError, train.ConfigError) as error:
     print(f"ssmkit eval: error: {error}", file=sys.stderr)
@@ -116,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
   _add_benchmarks(commands.add_parser("bench", help="run a benchmark and print its table"))
   _add_train(commands.add_parser(
       "train", help="train a model from a config, resuming in its workdir",
-      description="Trains and evaluates a model; prints test_accuracy=... as its last line.",
+      description="Trains and evaluates a model; prints test_accuracy=... as its last line "
+                  "(mean_episode_return=... for a PPO config, one with an `env` section).",
   ))
   _add_eval(commands.add_parser(
       "eval", help="evaluate a workdir's latest checkpoint on the test split",

@@ -58,7 +58,7 @@ def _last_line(text):
 # Configs.
 
 
-@pytest.mark.parametrize("name", train.shipped_configs())
+@pytest.mark.parametrize("name", train.shipped_configs("supervised"))
 def test_every_shipped_config_loads_and_comments_every_field(name):
   config = train.load_config(name)
   assert config.data.name
@@ -234,6 +234,42 @@ def test_metric_sums_score_only_real_targets_of_real_examples():
   np.testing.assert_allclose(sums["loss"], -sum(log_probs[b, t, y[b, t]] for b, t in scored), rtol=1e-5)
   assert sums["correct"] == sum(logits[b, t].argmax() == y[b, t] for b, t in scored)
   assert sums["count"] == len(scored) == 5
+
+
+# Every shipped config, made tiny.
+
+# Per dataset, the overrides that shrink it; `SMALL_MODEL` shrinks any model and run.
+SMALL_DATA = {
+    "mnist1d": ("data.kwargs.num_samples=200",),
+    "sequential_digits": (),  # 1797 sequences in all: small already
+    "selective_copying": ("data.kwargs={num_train: 64, num_test: 16, length: 20, num_tokens: 4}",),
+}
+SMALL_MODEL = (
+    "data.batch_size=16",
+    "model.num_blocks=1",
+    "model.features=16",
+    "model.layer_kwargs.d_state=8",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=0.01",
+    "optimizer.ssm_learning_rate=0.01",
+    "train.steps=8",
+    "train.log_every=1",
+    "train.eval_every=0",
+)
+
+
+@pytest.mark.parametrize("name", train.shipped_configs("supervised"))
+def test_every_shipped_config_trains_in_its_tiny_variant(name, tmp_path, capsys):
+  dataset = train.load_config(name).data.name
+  overrides = [*SMALL_DATA[dataset], *SMALL_MODEL]
+  with jax.enable_x64(False):
+    assert cli.main(["train", name, "--workdir", str(tmp_path), *overrides]) == 0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert _last_line(capsys.readouterr().out) == f"test_accuracy={summary['test_accuracy']:.4f}"
+  assert summary["steps"] == 8 and (tmp_path / "curves.png").exists()
+  assert (tmp_path / "checkpoints" / "8").is_dir()
+  records = metrics.read(tmp_path / "metrics.jsonl")
+  assert records[-1]["loss"] < records[0]["loss"]
 
 
 # Training runs.

@@ -6,7 +6,7 @@ import dataclasses
 import importlib.resources
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -15,6 +15,11 @@ from omegaconf.errors import OmegaConfBaseException
 from ssmkit._src.modes import Mode
 from ssmkit._src.train.errors import ConfigError
 from ssmkit._src.train.model import LAYERS
+
+if TYPE_CHECKING:
+  from ssmkit._src.train.ppo_config import PPOConfig
+
+_Schema = TypeVar("_Schema")
 
 
 @dataclasses.dataclass
@@ -109,7 +114,8 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {
+# Each string field with the values it may take.
+CHOICES: dict[str, tuple[str, ...]] = {
     "model.layer": tuple(LAYERS),
     "model.pooling": ("mean", "last", "none"),
     "model.norm": ("layer", "batch", "rms"),
@@ -117,8 +123,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.mode": tuple(mode.value for mode in Mode),
     "optimizer.schedule": ("cosine", "constant"),
 }
-# Each integer field with the smallest value it may take.
-_MINIMUMS: dict[str, int] = {
+# Each numeric field with the smallest value it may take.
+MINIMUMS: dict[str, float] = {
     "data.batch_size": 1,
     "model.features": 1,
     "model.num_blocks": 1,
@@ -133,9 +139,30 @@ _MINIMUMS: dict[str, int] = {
 _POSITIVE = ("optimizer.learning_rate", "optimizer.ssm_learning_rate", "optimizer.grad_clip")
 
 
-def _field(config: Config, key: str) -> Any:
+def get_field(config: Any, key: str) -> Any:
+  """The value of the field `key` ("section.name") of a config dataclass."""
   section, name = key.split(".")
   return getattr(getattr(config, section), name)
+
+
+def check_values(config: Any, choices: dict[str, tuple[str, ...]], minimums: dict[str, float],
+                 positive: Sequence[str]) -> None:
+  """Checks fields against their choices, their minimums and (`positive`) > 0; None passes.
+
+  Raises:
+    ConfigError: naming the first field with a value outside its choices or range.
+  """
+  for key, allowed in choices.items():
+    if get_field(config, key) not in allowed:
+      raise ConfigError(f"`{key}` must be one of {allowed}, got {get_field(config, key)!r}.")
+  for key, minimum in minimums.items():
+    value = get_field(config, key)
+    if value is not None and value < minimum:
+      raise ConfigError(f"`{key}` must be >= {minimum}, got {value}.")
+  for key in positive:
+    value = get_field(config, key)
+    if value is not None and value <= 0:
+      raise ConfigError(f"`{key}` must be > 0, got {value}.")
 
 
 def validate(config: Config) -> Config:
@@ -144,17 +171,7 @@ def validate(config: Config) -> Config:
   Raises:
     ConfigError: naming the first field with a value outside its choices or range.
   """
-  for key, choices in _CHOICES.items():
-    if _field(config, key) not in choices:
-      raise ConfigError(f"`{key}` must be one of {choices}, got {_field(config, key)!r}.")
-  for key, minimum in _MINIMUMS.items():
-    value = _field(config, key)
-    if value is not None and value < minimum:
-      raise ConfigError(f"`{key}` must be >= {minimum}, got {value}.")
-  for key in _POSITIVE:
-    value = _field(config, key)
-    if value is not None and value <= 0:
-      raise ConfigError(f"`{key}` must be > 0, got {value}.")
+  check_values(config, CHOICES, MINIMUMS, _POSITIVE)
   if config.optimizer.weight_decay < 0:
     raise ConfigError(f"`optimizer.weight_decay` must be >= 0, got {config.optimizer.weight_decay}.")
   if not 0 <= config.model.dropout_rate < 1:
@@ -172,12 +189,28 @@ def _shipped_directory() -> importlib.resources.abc.Traversable:
   return importlib.resources.files("ssmkit") / "configs"
 
 
-def shipped_configs() -> list[str]:
-  """The names of the configs shipped with ssmkit, which `load_config` accepts in place of a path."""
-  return sorted(
+def shipped_configs(kind: str | None = None) -> list[str]:
+  """The names of the configs shipped with ssmkit, which `load_config` accepts in place of a path.
+
+  Args:
+    kind: "supervised" or "ppo" (a config with an `env` or `ppo` section) for the configs of that
+      kind only; None for all.
+  """
+  names = sorted(
       entry.name.removesuffix(".yaml") for entry in _shipped_directory().iterdir()
       if entry.name.endswith(".yaml")
   )
+  if kind is None:
+    return names
+  if kind not in ("supervised", "ppo"):
+    raise ValueError(f"`kind` must be 'supervised', 'ppo' or None, got {kind!r}.")
+  return [name for name in names if config_kind(_read_yaml(name)) == kind]
+
+
+def config_kind(content: dict[str, Any], overrides: Sequence[str] = ()) -> str:
+  """"ppo" for a config with an `env` or `ppo` section in `content` or `overrides`, else "supervised"."""
+  sections = set(content) | {override.split("=")[0].split(".")[0] for override in overrides}
+  return "ppo" if sections & {"env", "ppo"} else "supervised"
 
 
 def _read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
@@ -196,15 +229,39 @@ def _read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
   return content or {}
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> Config:
-  """The `Config` of a YAML file, with dotted `key=value` overrides applied on top.
+def merge_structured(schema: type[_Schema], content: dict[str, Any],
+                     overrides: Sequence[str]) -> _Schema:
+  """An instance of the dataclass `schema` filled from `content`, then from `key=value` overrides.
+
+  Raises:
+    ConfigError: for a malformed override, an unknown key, a value of the wrong type or a
+      missing mandatory value; the message names the key.
+  """
+  for override in overrides:
+    if "=" not in override:
+      raise ConfigError(f"override {override!r} must have the form key=value.")
+  try:
+    dotlist = OmegaConf.from_dotlist(list(overrides))
+    merged = OmegaConf.merge(OmegaConf.structured(schema), content, dotlist)
+    return OmegaConf.to_object(merged)
+  except OmegaConfBaseException as error:
+    raise _config_error(error) from None
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()
+                ) -> Config | PPOConfig:
+  """The `Config` (or `PPOConfig`) of a YAML file, with dotted `key=value` overrides applied on top.
+
+  A file or overrides with an `env` or `ppo` section make a `PPOConfig` (reinforcement learning
+  with `train_ppo`); any other a `Config` (supervised training with `train_and_evaluate`).
 
   Args:
-    path: YAML file with any of the sections `data`, `model`, `optimizer`, `train`, or the name
-      of a shipped config (`shipped_configs()`, e.g. "mnist1d_lru"); None starts from the defaults.
+    path: YAML file with any of the sections `data`, `model`, `optimizer`, `train` (or `env`,
+      `model`, `ppo`, `train`), or the name of a shipped config (`shipped_configs()`, e.g.
+      "mnist1d_lru"); None starts from the defaults.
     overrides: strings like "train.steps=100" or "model.layer_kwargs.d_state=32", applied in order;
-      values are parsed as YAML ("null", "true", "1e-3"); the dict fields `data.kwargs` and
-      `model.layer_kwargs` are merged key by key.
+      values are parsed as YAML ("null", "true", "1e-3"); the dict fields `data.kwargs`,
+      `env.kwargs` and `model.layer_kwargs` are merged key by key.
 
   Returns:
     The merged and validated config.
@@ -212,34 +269,27 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
   Raises:
     FileNotFoundError: if `path` is neither a file nor a shipped config.
     ConfigError: for an unknown key, a value of the wrong type, a missing mandatory value
-      (`data.name`) or a value out of range; the message names the key.
+      (`data.name`, `env.name`) or a value out of range; the message names the key.
 
   Examples:
     >>> config = load_config(None, ["data.name=mnist1d", "train.steps=100"])
     >>> config.train.steps, config.model.layer
     (100, 'lru')
   """
-  for override in overrides:
-    if "=" not in override:
-      raise ConfigError(f"override {override!r} must have the form key=value.")
-  schema = OmegaConf.structured(Config)
-  try:
-    merged = OmegaConf.merge(
-        schema,
-        _read_yaml(path) if path is not None else {},
-        OmegaConf.from_dotlist(list(overrides)),
-    )
-    config = OmegaConf.to_object(merged)
-  except OmegaConfBaseException as error:
-    raise _config_error(error) from None
-  return validate(config)
+  content = _read_yaml(path) if path is not None else {}
+  if config_kind(content, overrides) == "ppo":
+    # Imported here: the PPO schema builds on this module's `ModelConfig` and checks.
+    from ssmkit._src.train import ppo_config
+
+    return ppo_config.validate(merge_structured(ppo_config.PPOConfig, content, overrides))
+  return validate(merge_structured(Config, content, overrides))
 
 
-def to_dict(config: Config) -> dict[str, Any]:
+def to_dict(config: Config | PPOConfig) -> dict[str, Any]:
   """`config` as nested plain dicts, e.g. for JSON."""
   return dataclasses.asdict(config)
 
 
-def to_yaml(config: Config) -> str:
+def to_yaml(config: Config | PPOConfig) -> str:
   """`config` as YAML text that `load_config` reads back."""
   return OmegaConf.to_yaml(OmegaConf.structured(config))
