@@ -1,6 +1,6 @@
 """The `ssmkit` command line.
 
-    ssmkit bench {scan,rl,layers} [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit bench {scan,rl,layers,sequence-parallel} [--shapes small|full] [--repeats N] [--markdown]
     ssmkit train CONFIG [--workdir DIR] [key=value ...]   (supervised or PPO, by the config)
     ssmkit eval --workdir DIR
 

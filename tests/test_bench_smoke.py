@@ -1,5 +1,7 @@
 """`ssmkit bench scan --shapes small` runs end to end and prints the whole table."""
 
+import jax
+
 from ssmkit import cli
 
 METHODS = (
@@ -43,3 +45,19 @@ def test_bench_layers_small_prints_every_layer_and_both_block_layouts(capsys):
     assert f"{layer} " in out
   for name in (" sequential ", " parallel ", "unrolled", "nn.scan"):
     assert name in out
+
+
+def test_bench_sequence_parallel_small_checks_the_split_against_one_device(capsys):
+  status = cli.main(["bench", "sequence-parallel", "--shapes", "small", "--repeats", "2"])
+  out = capsys.readouterr().out
+  assert status == 0
+  for text in (" one device ", f" sequence-parallel x{len(jax.devices())} ", "T=64 D=2",
+               "not a speed claim"):
+    assert text in out
+
+
+def test_bench_sequence_parallel_on_one_device_says_how_to_get_more(capsys, monkeypatch):
+  first = jax.devices()[:1]
+  monkeypatch.setattr(jax, "devices", lambda *args: first)
+  assert cli.main(["bench", "sequence-parallel", "--shapes", "small"]) == 0
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in capsys.readouterr().out

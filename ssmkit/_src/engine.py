@@ -1,9 +1,9 @@
-"""The scan engine: one associative operator, executed sequentially, in parallel or chunked."""
+"""The scan engine: one associative operator, run sequentially, in parallel, chunked, or over devices."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,31 @@ def _concat(trees: list[PyTree]) -> PyTree:
   return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
 
 
+def vary_alike(tree: PyTree) -> PyTree:
+  """Every leaf of `tree` cast to vary over each manual mesh axis that any leaf varies over.
+
+  Inside `shard_map`, a `lax.scan` carry must vary like the elements combined into it (a
+  constant identity, such as the unit matrix of `matrix_affine`, varies over no axis), and
+  a custom VJP must return cotangents that vary like its inputs (a replicated decay used
+  on sharded inputs gets a per-device cotangent, summed over devices by the cast's
+  transpose). Outside `shard_map` nothing varies and `tree` is returned as it is.
+  """
+  leaves = jax.tree.leaves(tree)
+  axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in leaves))
+
+  def cast(x):
+    missing = axes - jax.typeof(x).manual_axis_type.varying
+    return lax.pcast(x, tuple(missing), to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def _identity_carry(fn: Fn, elems: PyTree) -> PyTree:
+  """The identity of `fn` shaped like one element of `elems`, to start a scan carry."""
+  first = _take(elems, 0)
+  return vary_alike((identity_of(fn)(first), first))[0]
+
+
 def _sequential(fn: Fn, elems: PyTree, reverse: bool) -> PyTree:
   """`lax.scan` over the leading axis; the carry is the prefix accumulated so far."""
 
@@ -40,9 +65,8 @@ def _sequential(fn: Fn, elems: PyTree, reverse: bool) -> PyTree:
     carry = fn(carry, x)
     return carry, carry
 
-  identity_like = identity_of(fn)
-  if identity_like is not None:
-    _, ys = lax.scan(body, identity_like(_take(elems, 0)), elems, reverse=reverse)
+  if identity_of(fn) is not None:
+    _, ys = lax.scan(body, _identity_carry(fn, elems), elems, reverse=reverse)
     return ys
   first = -1 if reverse else 0
   rest = slice(None, -1) if reverse else slice(1, None)
@@ -149,8 +173,9 @@ def reduce_leading(
   length = jax.tree.leaves(elems)[0].shape[0]
 
   def fold(items):
-    init = identity_like(_take(items, 0))
-    total, _ = lax.scan(lambda c, x: (fn(c, x), None), init, items, reverse=reverse)
+    total, _ = lax.scan(
+        lambda c, x: (fn(c, x), None), _identity_carry(fn, items), items, reverse=reverse
+    )
     return total
 
   if mode is Mode.SEQUENTIAL or length <= 1:
@@ -163,6 +188,53 @@ def reduce_leading(
   return fold(fold(chunks))
 
 
+def axis_position(axis_name: Hashable) -> tuple[jax.Array, int]:
+  """This device's index along the mesh axis `axis_name`, and the size of that axis.
+
+  Raises:
+    ValueError: when `axis_name` is not an axis of an enclosing `jax.shard_map`.
+  """
+  try:
+    size = lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        f"`axis_name`={axis_name!r} is not a mesh axis of an enclosing `jax.shard_map`: "
+        "call the scan inside `shard_map` with its time axis split over that mesh axis."
+    ) from None
+  return lax.axis_index(axis_name), size
+
+
+class _Seam(NamedTuple):
+  """How this device's slice joins the scan across the devices of a mesh axis.
+
+  Attributes:
+    carry: the total of every slice before this one (after it when reversed).
+    entry: whether this device holds the slice the scan starts from (no carry).
+  """
+
+  carry: PyTree
+  entry: jax.Array
+
+
+def _join_slices(fn: Fn, ys: PyTree, reverse: bool, axis_name: Hashable) -> tuple[PyTree, _Seam]:
+  """Turns the scan `ys` of this device's slice into its part of the scan of every slice.
+
+  The slice totals (one element per device) are all-gathered, scanned over devices, and
+  the total of the slices before this one is combined into every element of `ys` (one
+  elementwise fix-up). Scanning first and fixing up afterwards needs no identity, so
+  every operator can be used; `linear_recurrence` takes the cheaper route of reducing
+  first and scanning once from the carry.
+  """
+  index, size = axis_position(axis_name)
+  totals = lax.all_gather(_take(ys, 0 if reverse else -1), axis_name)
+  prefixes = _sequential(fn, totals, reverse)
+  carry = _take(prefixes, jnp.clip(index + (1 if reverse else -1), 0, size - 1))
+  entry = index == (size - 1 if reverse else 0)
+  fixed = fn(jax.tree.map(lambda c, y: jnp.broadcast_to(c[None], y.shape), carry, ys), ys)
+  ys = jax.tree.map(lambda y, z: jnp.where(entry, y, z), ys, fixed)
+  return ys, _Seam(carry, entry)
+
+
 def associative_scan(
     fn: Fn,
     elems: PyTree,
@@ -173,6 +245,7 @@ def associative_scan(
     chunk_size: int | None = None,
     inner: str | Inner | None = None,
     exclusive: bool = False,
+    axis_name: Hashable | None = None,
 ) -> PyTree:
   """Prefix scan of an associative operator; a drop-in for `jax.lax.associative_scan`.
 
@@ -196,13 +269,20 @@ def associative_scan(
       sequential on CPU, parallel on accelerators.
     exclusive: return `[e, x0, fn(x0, x1), ...]` (shifted by one, the operator's identity
       `e` first), which needs an operator with a known identity.
+    axis_name: inside `jax.shard_map` with the scan axis split over the mesh axis of
+      this name (the devices holding consecutive slices in mesh order), return this
+      device's slice of the scan of the whole sequence. Each device scans its slice in
+      `mode`, the slice totals are all-gathered (one element per device), and each device
+      combines the totals before its slice into its result. Every device must hold a slice
+      of the same length.
 
   Returns:
     A pytree with the structure, shapes and dtypes of `elems`.
 
   Raises:
     ValueError: for an out-of-range `axis`, leaves of different lengths, an unknown
-      `mode`/`inner` or a non-positive `chunk_size`.
+      `mode`/`inner`, a non-positive `chunk_size`, or an `axis_name` that is not a mesh
+      axis of an enclosing `shard_map`.
     TypeError: when `fn` is not callable or `exclusive` is asked of an operator without an
       identity.
 
@@ -222,6 +302,8 @@ def associative_scan(
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
   inner = parse_inner(inner, (Inner.SEQUENTIAL, Inner.PARALLEL))
+  if axis_name is not None:
+    axis_position(axis_name)
   leaves, treedef = jax.tree.flatten(elems)
   if not leaves:
     raise ValueError("`elems` must contain at least one array.")
@@ -243,8 +325,14 @@ def associative_scan(
   moved = treedef.unflatten([jnp.moveaxis(x, axis, 0) for x in leaves])
   mode = resolve_mode(mode, length)
   out = scan_leading(fn, moved, mode=mode, reverse=reverse, chunk_size=chunk_size, inner=inner)
+  seam = None
+  if axis_name is not None and length > 0:
+    out, seam = _join_slices(fn, out, reverse, axis_name)
   if exclusive and length > 0:
-    edge = jax.tree.map(lambda x: x[None], identity_like(_take(moved, 0)))
+    edge = identity_like(_take(moved, 0))
+    if seam is not None:
+      edge = jax.tree.map(lambda e, c: jnp.where(seam.entry, e, c), edge, seam.carry)
+    edge = jax.tree.map(lambda x: x[None], edge)
     out = (
         _concat([_take(out, slice(1, None)), edge])
         if reverse

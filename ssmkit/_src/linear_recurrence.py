@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Hashable
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.engine import reduce_leading, scan_leading
+from ssmkit._src.engine import axis_position, reduce_leading, scan_leading, vary_alike
 from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
 from ssmkit._src.operators import affine, with_resets
 
@@ -228,6 +229,54 @@ def _final_bwd(cfg, residuals, g_last):
 _final.defvjp(_final_fwd, _final_bwd)
 
 
+def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, states: bool):
+  """The recurrence over every device's slice of time along the mesh axis `axis_name`.
+
+  Each device reduces its slice to the affine map h -> A h + B it applies (A the product
+  of its decays; the map is h -> B when a reset cuts the slice), the maps are all-gathered
+  (a few states per device) and composed in device order, and each device runs its slice
+  once from the carry the maps before it produce. Reducing first and scanning once reads
+  the slice twice and writes it once; scanning from zero and fixing up with the running
+  product of `a` would write it twice and need that product too. `h0` enters on the device
+  holding the first step (the last when reversed); the others' `h0` are ignored. Autodiff
+  runs through the collectives, so the backward pass is sequence-parallel as well.
+
+  Returns:
+    `(h, h_final)` with `states`, else `h_final`; `h_final` is the state after the last
+    step of the whole sequence, the same on every device.
+  """
+  index, size = axis_position(axis_name)
+  entry = index == (size - 1 if cfg.reverse else 0)
+  h0 = jnp.where(entry, h0, jnp.zeros_like(h0))
+  length = b.shape[0]
+  total_a = functools.reduce(
+      operator.mul, [x[0] ** length if x.shape[0] == 1 else jnp.prod(x, axis=0) for x in a]
+  )
+  total_b = _final(cfg, a, b, h0, reset)
+  cut = None if reset is None else jnp.any(reset, axis=0)
+  maps = lax.all_gather((total_a, total_b, cut), axis_name)
+
+  def compose(h, piece):
+    a_j, b_j, cut_j = piece
+    if cut_j is None:
+      h_next = a_j * h + b_j
+    else:
+      # The inner selection keeps the gradient finite when an Inf/NaN state is cut off.
+      h_next = jnp.where(cut_j, b_j, a_j * jnp.where(cut_j, jnp.zeros_like(h), h) + b_j)
+    return h_next, h
+
+  h_final, carries = lax.scan(compose, jnp.zeros_like(maps[1][0]), maps, reverse=cfg.reverse)
+  # Every device composed the same final state. Summing device 0's alone makes it a value
+  # replicated over the mesh axis (an `out_specs=P()` output) whose cotangent is counted
+  # once, also under `shard_map(check_vma=False)`.
+  h_final = lax.psum(jnp.where(index == 0, h_final, jnp.zeros_like(h_final)), axis_name)
+  if not states:
+    return h_final
+  carry = jnp.where(entry, h0, carries[index])
+  h, _ = _recurrence(cfg, a, b, carry, reset)
+  return h, h_final
+
+
 def accumulation_dtype(dtype) -> jnp.dtype:
   """float32 for 16-bit floats (complex64 stays), else the dtype itself."""
   dtype = jnp.dtype(dtype)
@@ -246,7 +295,7 @@ class _Prepared(NamedTuple):
   out_dtype: jnp.dtype
 
 
-def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepared:
+def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name) -> _Prepared:
   """Checks the arguments, moves time to the front and casts to the accumulation dtype."""
   factors = tuple(a) if isinstance(a, (tuple, list)) else (a,)
   if not factors:
@@ -260,6 +309,8 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
   inner = parse_inner(inner, tuple(Inner))
+  if axis_name is not None:
+    axis_position(axis_name)
   if b.ndim == 0:
     raise ValueError("`b` must have a time axis, got a scalar.")
   axis = checks.canonical_axis(axis, b.ndim)
@@ -288,6 +339,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner) -> _Prepar
   )
   b = jnp.moveaxis(b, axis, 0).astype(acc)
   h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
+  a, b, h0 = vary_alike((a, b, h0))
   cfg = _Config(bool(reverse), resolve_mode(mode, b.shape[0]), chunk_size, inner)
   return _Prepared(cfg, a, b, h0, reset, axis, out_dtype)
 
@@ -304,6 +356,7 @@ def linear_recurrence(
     chunk_size: int | None = None,
     inner: str | Inner | None = None,
     return_final_state: bool = False,
+    axis_name: Hashable | None = None,
 ) -> Array | tuple[Array, Array]:
   """Computes h_t = a_t * h_{t-1} + b_t along `axis`, starting from h_{-1} = h0.
 
@@ -338,10 +391,24 @@ def linear_recurrence(
       decays that reach 1e-38 within a chunk, give Inf/NaN. It cannot take `reset`.
     return_final_state: also return the last state (h_{T-1}; h_0 when `reverse`), to
       continue the recurrence over the next piece of a long sequence.
+    axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis of `a`,
+      `b` and `reset` split over the mesh axis of this name (consecutive slices of equal
+      length in mesh order), return this device's slice of the recurrence over the whole
+      sequence. Each device reduces its slice to the map h -> A h + B, the maps are
+      all-gathered (P maps of a state or two each, for P devices), and each device runs
+      its slice from the state the maps before it produce; gradients flow back through
+      the same collectives. `h0` is read on the device holding the first step (the last
+      when `reverse`), and the final state is the whole sequence's, the same on every
+      device. Any `mode` runs the local slices.
 
   Returns:
     `h` with `b`'s shape and the promoted dtype of `a`, `b` (and `h0`); with
     `return_final_state`, the tuple `(h, h_final)`.
+
+  Raises:
+    TypeError: for an integer `a`, `b` or `h0`, or a non-boolean `reset`.
+    ValueError: for shapes that do not fit `b`, an out-of-range `axis`, an unknown `mode`
+      or `inner`, or an `axis_name` that is not a mesh axis of an enclosing `shard_map`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -355,11 +422,13 @@ def linear_recurrence(
     Martin & Cundy, "Parallelizing linear recurrent neural nets over sequence length",
     ICLR 2018; Blelloch, "Prefix sums and their applications", 1990.
   """
-  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner)
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   if p.b.shape[0] == 0:
     h, h_last = p.b, p.h0
-  else:
+  elif axis_name is None:
     h, h_last = _recurrence(p.cfg, p.a, p.b, p.h0, p.reset)
+  else:
+    h, h_last = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=True)
   h = jnp.moveaxis(h, 0, p.axis).astype(p.out_dtype)
   if return_final_state:
     return h, h_last.astype(p.out_dtype)
@@ -376,11 +445,14 @@ def linear_recurrence_final_state(
     axis: int = 0,
     mode: str | Mode = "auto",
     chunk_size: int | None = None,
+    axis_name: Hashable | None = None,
 ) -> Array:
   """The last state of `linear_recurrence`, without keeping the T intermediate states.
 
   Same arguments and semantics as `linear_recurrence`. The forward pass stores one state
   (one per chunk in the chunked and parallel modes); the gradient recomputes the states.
+  With `axis_name`, the last state of the whole sequence split over that mesh axis, the
+  same on every device; each device reduces its slice and one all-gather joins them.
 
   Returns:
     h_{T-1} (h_0 when `reverse`), shaped like `b` without its time axis.
@@ -391,7 +463,10 @@ def linear_recurrence_final_state(
     >>> linear_recurrence_final_state(jnp.full(4, 0.5), jnp.ones(4), h0=jnp.array(8.0))
     Array(2.375, dtype=float32)
   """
-  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None)
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None, axis_name)
   if p.b.shape[0] == 0:
     return p.h0.astype(p.out_dtype)
-  return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)
+  if axis_name is None:
+    return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)
+  h_final = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=False)
+  return h_final.astype(p.out_dtype)

@@ -8,6 +8,7 @@ bootstraps from the value of its final observation instead of reaching into the 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from ssmkit._src import checks
+from ssmkit._src.engine import axis_position
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
 
@@ -144,10 +146,12 @@ def _lambda_recurrence(
     bootstrap: Array | None,
     mode: str | Mode,
     stop_target_gradients: bool,
+    axis_name: Hashable | None,
 ) -> Array:
   """G_t = r_t + d_t [(1 - lambda_t) v_t + lambda_t G_{t+1}] backwards from G_T = bootstrap.
 
   `next_values=None` (discounted returns) drops the value term: G_t = r_t + d_t G_{t+1}.
+  With `axis_name`, `bootstrap` is read on the device holding the last steps.
   """
   next_values, lambda_ = _cut_at_truncation(traj, next_values)
   if next_values is None:
@@ -156,8 +160,25 @@ def _lambda_recurrence(
     # Factors, not their product: the sequential scan multiplies them step by step.
     decay = (traj.discounts, lambda_)
     inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
-  returns = linear_recurrence(decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode)
+  returns = linear_recurrence(
+      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name
+  )
   return _finish(returns, traj, stop_target_gradients)
+
+
+def _with_next_slice(x: Array, x_next: Array, steps: int, axis: int, axis_name: Hashable) -> Array:
+  """`x` with its last `steps` steps replaced by the first `steps` of the next device's `x_next`.
+
+  The device holding the last slice keeps its own steps: past the end of the whole
+  sequence there is no next slice.
+  """
+  index, size = axis_position(axis_name)
+  length = x.shape[axis]
+  head = lax.slice_in_dim(x_next, 0, steps, axis=axis)
+  received = lax.ppermute(head, axis_name, [(j, (j - 1) % size) for j in range(size)])
+  own = lax.slice_in_dim(x, length - steps, length, axis=axis)
+  tail = jnp.where(index == size - 1, own, received)
+  return jnp.concatenate([lax.slice_in_dim(x, 0, length - steps, axis=axis), tail], axis)
 
 
 def _last_step(x: Array, axis: int) -> Array | None:
@@ -175,6 +196,7 @@ def discounted_returns(
     truncated: ArrayLike | None = None,
     final_values: ArrayLike | None = None,
     stop_target_gradients: bool = False,
+    axis_name: Hashable | None = None,
 ) -> Array:
   """Discounted returns G_t = r_t + d_t G_{t+1}, bootstrapped from `bootstrap_value`.
 
@@ -193,6 +215,11 @@ def discounted_returns(
     final_values: `rewards`' shape: at truncated steps, the value of the final observation
       of the cut episode; ignored elsewhere.
     stop_target_gradients: stop gradients from flowing through the returns.
+    axis_name: sequence parallelism: inside `jax.shard_map` with the time axis split over
+      the mesh axis of this name (consecutive slices of equal length in mesh order),
+      return this device's slice of the returns of the whole trajectory (see
+      `ssmkit.scan.linear_recurrence`). `bootstrap_value` is read on the device holding
+      the last steps (a per-step `bootstrap_value` is that device's slice).
 
   Returns:
     Returns with `rewards`' shape, in the promoted dtype of the inputs.
@@ -216,7 +243,7 @@ def discounted_returns(
     )
   traj = _trajectory(rewards, discounts, bootstrap, 1.0, truncated, final_values, axis)
   bootstrap = jnp.broadcast_to(traj.values, batch_shape)
-  return _lambda_recurrence(traj, None, bootstrap, mode, stop_target_gradients)
+  return _lambda_recurrence(traj, None, bootstrap, mode, stop_target_gradients, axis_name)
 
 
 def lambda_returns(
@@ -230,6 +257,7 @@ def lambda_returns(
     truncated: ArrayLike | None = None,
     final_values: ArrayLike | None = None,
     stop_target_gradients: bool = False,
+    axis_name: Hashable | None = None,
 ) -> Array:
   """Lambda-returns G_t = r_t + d_t [(1 - lambda_t) v_t + lambda_t G_{t+1}].
 
@@ -250,6 +278,12 @@ def lambda_returns(
       of the cut episode (in place of `values`, which holds the next episode's first
       state in an auto-resetting environment); ignored elsewhere.
     stop_target_gradients: stop gradients from flowing through the returns.
+    axis_name: sequence parallelism: inside `jax.shard_map` with the time axis split over
+      the mesh axis of this name (consecutive slices of equal length in mesh order),
+      return this device's slice of the returns of the whole trajectory (see
+      `ssmkit.scan.linear_recurrence`). Each device passes its slice of every
+      per-step argument, `values` included; the last value of the whole trajectory
+      bootstraps the last return.
 
   Returns:
     Returns with `rewards`' shape, in the promoted dtype of the inputs.
@@ -257,7 +291,7 @@ def lambda_returns(
   traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
   bootstrap = _last_step(traj.values, traj.axis)
-  return _lambda_recurrence(traj, traj.values, bootstrap, mode, stop_target_gradients)
+  return _lambda_recurrence(traj, traj.values, bootstrap, mode, stop_target_gradients, axis_name)
 
 
 def generalized_advantage_estimation(
@@ -271,6 +305,7 @@ def generalized_advantage_estimation(
     truncated: ArrayLike | None = None,
     final_values: ArrayLike | None = None,
     stop_target_gradients: bool = False,
+    axis_name: Hashable | None = None,
 ) -> Array:
   """Generalized advantage estimates A_t = delta_t + d_t lambda_t A_{t+1}.
 
@@ -298,6 +333,14 @@ def generalized_advantage_estimation(
     final_values: `rewards`' shape: at truncated steps, the value of the final observation
       of the cut episode; ignored elsewhere.
     stop_target_gradients: stop gradients from flowing through the advantages.
+    axis_name: sequence parallelism: inside `jax.shard_map` with the time axis split over
+      the mesh axis of this name (consecutive slices of equal length in mesh order),
+      return this device's slice of the advantages of the whole trajectory. Each device
+      passes `values` with T_local + 1 entries: the values of its T_local states, then
+      the bootstrap value v(s_T) of the whole rollout. The value after a slice is the
+      next device's first value, which each device receives from its neighbour (one
+      `lax.ppermute` of one step), so the extra entry is read only on the last device;
+      a device may as well pass the next device's first value there.
 
   Returns:
     Advantages with `rewards`' shape, in the promoted dtype of the inputs.
@@ -324,10 +367,13 @@ def generalized_advantage_estimation(
   )
   length = shape[axis]
   v_tm1 = lax.slice_in_dim(traj.values, 0, length, axis=axis)
-  v_t, lambda_ = _cut_at_truncation(traj, lax.slice_in_dim(traj.values, 1, length + 1, axis=axis))
+  v_t = lax.slice_in_dim(traj.values, 1, length + 1, axis=axis)
+  if axis_name is not None and length > 0:
+    v_t = _with_next_slice(v_t, v_tm1, 1, axis, axis_name)
+  v_t, lambda_ = _cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
-      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode
+      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name
   )
   return _finish(advantages, traj, stop_target_gradients)
 
@@ -343,6 +389,7 @@ def n_step_returns(
     truncated: ArrayLike | None = None,
     final_values: ArrayLike | None = None,
     stop_target_gradients: bool = False,
+    axis_name: Hashable | None = None,
 ) -> Array:
   """n-step bootstrapped returns: the lambda-return recursion over at most n steps.
 
@@ -363,6 +410,11 @@ def n_step_returns(
     final_values: `rewards`' shape: at truncated steps, the value of the final observation
       of the cut episode; ignored elsewhere.
     stop_target_gradients: stop gradients from flowing through the returns.
+    axis_name: sequence parallelism: inside `jax.shard_map` with the time axis split over
+      the mesh axis of this name (consecutive slices of equal length in mesh order),
+      return this device's slice of the returns of the whole trajectory. Each device
+      receives the first n - 1 steps of the next device's slice (one `lax.ppermute` per
+      per-step argument), so `n` may be at most the local length + 1.
 
   Returns:
     Returns with `rewards`' shape, in the promoted dtype of the inputs.
@@ -372,16 +424,25 @@ def n_step_returns(
   traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
   length = traj.rewards.shape[traj.axis]
+  slices = 1 if axis_name is None else axis_position(axis_name)[1]
   if length == 0:
     return _finish(traj.rewards, traj, stop_target_gradients)
   # Windows longer than the trajectory add nothing: the padding below is the identity.
-  n = min(int(n), length)
+  n = min(int(n), length * slices)
+  if n - 1 > length:
+    raise ValueError(
+        f"`n`={n} needs the next {n - 1} steps past each slice, more than one device's slice "
+        f"of {length} steps along `axis_name`={axis_name!r}: use n <= {length + 1}."
+    )
   values, lambda_ = _cut_at_truncation(traj, traj.values)
 
   def padded(x: Array, fill: Array | float) -> Array:
-    """Time first, then n - 1 steps of `fill` past the end."""
+    """Time first, then n - 1 steps past the end: the next slice's, or `fill` after the last."""
     x = jnp.moveaxis(jnp.broadcast_to(x, traj.rewards.shape), traj.axis, 0)
-    return jnp.concatenate([x, jnp.broadcast_to(fill, (n - 1, *x.shape[1:]))])
+    out = jnp.concatenate([x, jnp.broadcast_to(fill, (n - 1, *x.shape[1:]))])
+    if axis_name is None or n == 1:
+      return out
+    return _with_next_slice(out, x, n - 1, 0, axis_name)
 
   # Past the end: reward 0, discount 1, lambda 1 and the last value carry the bootstrap.
   last = jnp.moveaxis(values, traj.axis, 0)[-1:]

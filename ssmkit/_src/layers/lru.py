@@ -5,6 +5,7 @@ parametrisation, ring initialisation and gamma normalisation."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 import flax.linen as nn
 import jax
@@ -93,8 +94,8 @@ class LRU(nn.Module):
     return h.real @ c_re.T - h.imag @ c_im.T + x * common.leading_ones(d, x.ndim)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Array | None = None, return_state: bool = False
-               ) -> Array | tuple[Array, Array]:
+               initial_state: Array | None = None, return_state: bool = False,
+               axis_name: Hashable | None = None) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
 
     Args:
@@ -104,6 +105,12 @@ class LRU(nn.Module):
       initial_state: optional `(..., d_state)` complex state to start from, as `step` makes
         it; default zeros.
       return_state: also return the state after the last step.
+      axis_name: sequence parallelism: inside `jax.shard_map` with the time axis of `x` and
+        `reset` split over the mesh axis of this name (consecutive slices of equal length
+        in mesh order) and the parameters replicated, return this device's slice of the
+        outputs for the whole sequence (see `ssmkit.scan.linear_recurrence`).
+        `initial_state` is read on the device holding the first steps; the returned state
+        is the whole sequence's, the same on every device.
 
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
@@ -115,7 +122,7 @@ class LRU(nn.Module):
     inputs = self._input(xf, b_re, b_im)
     flags = None if reset is None else reset[..., None]
     h, last = linear_recurrence(lam, inputs, initial_state, reset=flags, axis=-2, mode=mode,
-                                return_final_state=True)
+                                return_final_state=True, axis_name=axis_name)
     y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
     return (y, last) if return_state else y
 
