@@ -100,7 +100,7 @@ def test_drop_in_for_lax_associative_scan_with_non_commutative_operator(kwargs, 
   np.testing.assert_allclose(ours, theirs, rtol=1e-10)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     length=st.sampled_from([0, 1, 2, 3, 5, 17, 31, 64]),
     axis=st.sampled_from([0, 1, 2, -1, -3]),
@@ -119,7 +119,12 @@ def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, rever
                           chunk_size=chunk)
   # lax.associative_scan cannot take an empty sequence; its scan of nothing is nothing.
   theirs = elems if length == 0 else lax.associative_scan(fn, elems, axis=axis % 3, reverse=reverse)
-  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-12), ours, theirs)
+  # Both sides are float64 with different association orders: rounding is relative to the
+  # largest magnitude, not to each (possibly cancelled, near-zero) element.
+  def close(u, v):
+    np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12 * np.max(np.abs(v), initial=0.0))
+
+  jax.tree.map(close, ours, theirs)
 
 
 @pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)

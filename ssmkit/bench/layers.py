@@ -64,13 +64,15 @@ class Suite:
   depths: tuple[int, ...]
   model_shape: Shape
   only_modes: tuple[str, ...] | None = None  # None: every mode of each layer
+  only_layers: tuple[str, ...] | None = None  # None: every layer of `LAYERS`
 
 
 SUITES = {
     "full": Suite(
         (Shape(16, 256, 64), Shape(8, 2048, 64), Shape(1, 16384, 64)), (2, 8, 32), Shape(8, 256, 64)
     ),
-    "small": Suite((Shape(2, 17, 4),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE)),
+    "small": Suite((Shape(2, 17, 4),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE),
+                   only_layers=("LRU",)),
 }
 
 
@@ -199,7 +201,7 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   """
   suite = SUITES[shapes]
   results = []
-  cells = [(name, shape) for shape in suite.shapes for name in LAYERS]
+  cells = [(name, shape) for shape in suite.shapes for name in suite.only_layers or LAYERS]
   for i, (name, shape) in enumerate(cells):
     print(f"[{i + 1}/{len(cells)}] {name} {shape}", file=sys.stderr, flush=True)
     results.extend(_bench_layer(name, shape, suite, repeats, jax.random.key(i)))

@@ -22,18 +22,20 @@ from ssmkit import data
 from ssmkit._src.train import metrics
 from ssmkit._src.train.batches import TrainBatches, eval_batches, split_arrays
 from ssmkit._src.train.checkpoint import Checkpoints
-from ssmkit._src.train.config import Config, DataConfig, load_config, to_dict, to_yaml, validate
+from ssmkit._src.train.config import Config, DataConfig, load_config, to_dict, validate
 from ssmkit._src.train.errors import ConfigError, Interrupted
 from ssmkit._src.train.interrupt import stop_requests
 from ssmkit._src.train.model import build_model, count_parameters
 from ssmkit._src.train.optim import learning_rate_schedule, make_optimizer
 from ssmkit._src.train.steps import TrainState, create_train_state, eval_step, mean_metrics, train_step
-
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_DIR = "checkpoints"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-CURVES_FILE = "curves.png"
+from ssmkit._src.train.workdir import (
+  CHECKPOINT_DIR,
+  CONFIG_FILE,
+  CURVES_FILE,
+  METRICS_FILE,
+  SUMMARY_FILE,
+  start_or_resume,
+)
 
 
 @dataclasses.dataclass
@@ -92,28 +94,6 @@ def _setup(config: Config) -> _Run:
   )
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
-def _check_same_run(workdir: pathlib.Path, config: Config) -> None:
-  """Refuses to resume a checkpoint made with other data or another model."""
-  saved = _flatten({key: to_dict(load_config(workdir / CONFIG_FILE))[key] for key in ("data", "model")})
-  new = _flatten({key: to_dict(config)[key] for key in ("data", "model")})
-  changed = sorted(key for key in saved.keys() | new.keys() if saved.get(key) != new.get(key))
-  if changed:
-    raise ConfigError(
-        f"{workdir} holds checkpoints of a run with other values of {', '.join(changed)}; "
-        "resume it with its own config or train in another workdir."
-    )
-
-
 def _evaluate(step_fn: Callable[..., Any], state: TrainState, batches: list[dict[str, np.ndarray]]
               ) -> dict[str, float]:
   sums = jax.device_get([step_fn(state, batch) for batch in batches])
@@ -149,26 +129,13 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
       workdir holding another run.
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
-  session_start = time.perf_counter()
   validate(config)
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
-  try:
-    start = checkpoints.latest_step()
-    if start is not None:
-      _check_same_run(workdir, config)
-    (workdir / CONFIG_FILE).write_text(to_yaml(config))
-    run = _setup(config)
-    state, wall_before = run.state, 0.0
-    if start is not None:
-      state, progress = checkpoints.restore(run.state, start)
-      run.train_batches.restore(progress["data"])
-      wall_before = progress["wall_seconds"]
-    wall_seconds = lambda: wall_before + time.perf_counter() - session_start
-    return _train(config, workdir, run, state, checkpoints, hooks, wall_seconds)
-  finally:
-    checkpoints.close()
+  return start_or_resume(
+      config, workdir, sections=("data", "model"), setup=_setup,
+      train=lambda workdir, run, state, checkpoints, wall_seconds: _train(
+          config, workdir, run, state, checkpoints, hooks, wall_seconds),
+      restore=lambda run, progress: run.train_batches.restore(progress["data"]),
+  )
 
 
 def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, checkpoints: Checkpoints,

@@ -25,20 +25,27 @@ from matplotlib.figure import Figure
 
 from ssmkit._src.train import metrics
 from ssmkit._src.train.checkpoint import Checkpoints
-from ssmkit._src.train.config import load_config, to_dict, to_yaml
+from ssmkit._src.train.config import load_config, to_dict
 from ssmkit._src.train.errors import ConfigError, Interrupted
 from ssmkit._src.train.interrupt import stop_requests
-from ssmkit._src.train.loop import CHECKPOINT_DIR, CONFIG_FILE, CURVES_FILE, METRICS_FILE, SUMMARY_FILE
 from ssmkit._src.train.model import build_model, count_parameters
 from ssmkit._src.train.ppo import (
-    Agent,
-    PPOState,
-    VecEnv,
-    create_ppo_state,
-    evaluate_policy,
-    ppo_update,
+  Agent,
+  PPOState,
+  VecEnv,
+  create_ppo_state,
+  evaluate_policy,
+  ppo_update,
 )
 from ssmkit._src.train.ppo_config import EnvConfig, PolicyConfig, PPOConfig, PPOHyperparameters, validate
+from ssmkit._src.train.workdir import (
+  CHECKPOINT_DIR,
+  CONFIG_FILE,
+  CURVES_FILE,
+  METRICS_FILE,
+  SUMMARY_FILE,
+  start_or_resume,
+)
 
 # Metrics of `ppo_update` averaged over the updates of a log interval.
 _LOSS_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
@@ -149,22 +156,6 @@ def _mean(total: float, count: float) -> float | None:
   return float(total) / float(count) if count else None
 
 
-def _check_same_run(workdir: pathlib.Path, config: PPOConfig) -> None:
-  """Refuses to resume a checkpoint made with other environments or another policy."""
-  saved = load_config(workdir / CONFIG_FILE)
-  if not isinstance(saved, PPOConfig):
-    raise ConfigError(f"{workdir} holds checkpoints of a supervised run; train in another workdir.")
-  sections = ("env", "model")
-  old, new = ({key: to_dict(c)[key] for key in sections} for c in (saved, config))
-  changed = [f"{key}.{name}" for key in sections for name in old[key]
-             if old[key][name] != new[key][name]]
-  if changed:
-    raise ConfigError(
-        f"{workdir} holds checkpoints of a run with other values of {', '.join(changed)}; "
-        "resume it with its own config or train in another workdir."
-    )
-
-
 def train_ppo(config: PPOConfig, workdir: str | pathlib.Path, *,
               hooks: Sequence[Callable[[int], None]] = ()) -> dict[str, Any]:
   """Trains the policy of `config` with PPO in `workdir`, then evaluates it.
@@ -195,25 +186,12 @@ def train_ppo(config: PPOConfig, workdir: str | pathlib.Path, *,
       or a workdir holding another run.
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
-  session_start = time.perf_counter()
   validate(config)
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
-  try:
-    start = checkpoints.latest_step()
-    if start is not None:
-      _check_same_run(workdir, config)
-    (workdir / CONFIG_FILE).write_text(to_yaml(config))
-    run = _setup(config)
-    state, wall_before = run.state, 0.0
-    if start is not None:
-      state, progress = checkpoints.restore(run.state, start)
-      wall_before = progress["wall_seconds"]
-    wall_seconds = lambda: wall_before + time.perf_counter() - session_start
-    return _train(config, workdir, run, state, checkpoints, hooks, wall_seconds)
-  finally:
-    checkpoints.close()
+  return start_or_resume(
+      config, workdir, sections=("env", "model"), setup=_setup,
+      train=lambda workdir, run, state, checkpoints, wall_seconds: _train(
+          config, workdir, run, state, checkpoints, hooks, wall_seconds),
+  )
 
 
 def _log_record(config: PPOConfig, run: _Run, update: int, pending: list[dict[str, Any]],
