@@ -22,18 +22,17 @@ from ssmkit import data
 from ssmkit._src.train import metrics
 from ssmkit._src.train.batches import TrainBatches, eval_batches, split_arrays
 from ssmkit._src.train.checkpoint import Checkpoints
-from ssmkit._src.train.config import Config, DataConfig, load_config, to_dict, validate
+from ssmkit._src.train.config import Config, DataConfig, to_dict, validate
 from ssmkit._src.train.errors import ConfigError, Interrupted
 from ssmkit._src.train.interrupt import stop_requests
 from ssmkit._src.train.model import build_model, count_parameters
 from ssmkit._src.train.optim import learning_rate_schedule, make_optimizer
 from ssmkit._src.train.steps import TrainState, create_train_state, eval_step, mean_metrics, train_step
 from ssmkit._src.train.workdir import (
-  CHECKPOINT_DIR,
-  CONFIG_FILE,
   CURVES_FILE,
   METRICS_FILE,
   SUMMARY_FILE,
+  restore_latest,
   start_or_resume,
 )
 
@@ -223,19 +222,6 @@ def evaluate(workdir: str | pathlib.Path) -> dict[str, Any]:
   Raises:
     FileNotFoundError: if `workdir` has no config or no checkpoint.
   """
-  workdir = pathlib.Path(workdir)
-  for name in (CONFIG_FILE, CHECKPOINT_DIR):
-    if not (workdir / name).exists():
-      raise FileNotFoundError(f"{workdir} has no {name}; is it the workdir of a training run?")
-  config = load_config(workdir / CONFIG_FILE)
-  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
-  try:
-    step = checkpoints.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint.")
-    run = _setup(config)
-    state, _ = checkpoints.restore(run.state, step)
-  finally:
-    checkpoints.close()
+  step, run, state = restore_latest(workdir, Config, _setup)
   test = _evaluate(jax.jit(eval_step), state, run.eval_batches)
   return {"step": step, **test, "test_examples": run.dataset.num_test}

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from ssmkit._src.train import metrics
 from ssmkit._src.train.checkpoint import Checkpoints
-from ssmkit._src.train.config import load_config, to_dict
+from ssmkit._src.train.config import to_dict
 from ssmkit._src.train.errors import ConfigError, Interrupted
 from ssmkit._src.train.interrupt import stop_requests
 from ssmkit._src.train.model import build_model, count_parameters
@@ -39,11 +39,10 @@ from ssmkit._src.train.ppo import (
 )
 from ssmkit._src.train.ppo_config import EnvConfig, PolicyConfig, PPOConfig, PPOHyperparameters, validate
 from ssmkit._src.train.workdir import (
-  CHECKPOINT_DIR,
-  CONFIG_FILE,
   CURVES_FILE,
   METRICS_FILE,
   SUMMARY_FILE,
+  restore_latest,
   start_or_resume,
 )
 
@@ -329,24 +328,9 @@ def evaluate_ppo(workdir: str | pathlib.Path) -> dict[str, Any]:
 
   Raises:
     FileNotFoundError: if `workdir` has no config or no checkpoint.
-    ConfigError: if `workdir` holds a supervised run.
+    ConfigError: if `workdir` holds another kind of run.
   """
-  workdir = pathlib.Path(workdir)
-  for name in (CONFIG_FILE, CHECKPOINT_DIR):
-    if not (workdir / name).exists():
-      raise FileNotFoundError(f"{workdir} has no {name}; is it the workdir of a training run?")
-  config = load_config(workdir / CONFIG_FILE)
-  if not isinstance(config, PPOConfig):
-    raise ConfigError(f"{workdir} holds a supervised run; evaluate it with `ssmkit.train.evaluate`.")
-  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
-  try:
-    step = checkpoints.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint.")
-    run = _setup(config)
-    state, _ = checkpoints.restore(run.state, step)
-  finally:
-    checkpoints.close()
+  step, run, state = restore_latest(workdir, PPOConfig, _setup)
   evaluation = run.evaluate(state.train_state.params)
   return {"step": step, "mean_episode_return": evaluation["eval_mean_episode_return"],
           "episodes": evaluation["eval_episodes"]}

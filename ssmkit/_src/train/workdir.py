@@ -96,3 +96,40 @@ def start_or_resume(
                  lambda: wall_before + time.perf_counter() - session_start)
   finally:
     checkpoints.close()
+
+
+def restore_latest(workdir: str | pathlib.Path, config_type: type, setup: Callable[[Any], Any]
+                   ) -> tuple[int, Any, Any]:
+  """The run of a workdir at its latest checkpoint, built from the config saved there.
+
+  Args:
+    workdir: the run's directory.
+    config_type: the kind of config the caller evaluates (`Config`, `PPOConfig`).
+    setup: builds the run from the config; its `state` attribute is the state template.
+
+  Returns:
+    (step, run, state) of the latest checkpoint.
+
+  Raises:
+    FileNotFoundError: if `workdir` has no config or no checkpoint.
+    ConfigError: if `workdir` holds another kind of run.
+  """
+  workdir = pathlib.Path(workdir)
+  for name in (CONFIG_FILE, CHECKPOINT_DIR):
+    if not (workdir / name).exists():
+      raise FileNotFoundError(f"{workdir} has no {name}; is it the workdir of a training run?")
+  config = load_config(workdir / CONFIG_FILE)
+  if not isinstance(config, config_type):
+    raise ConfigError(
+        f"{workdir} holds a {type(config).__name__} run, not a {config_type.__name__} one."
+    )
+  checkpoints = Checkpoints(workdir / CHECKPOINT_DIR, config.train.keep_checkpoints)
+  try:
+    step = checkpoints.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint.")
+    run = setup(config)
+    state, _ = checkpoints.restore(run.state, step)
+  finally:
+    checkpoints.close()
+  return step, run, state
