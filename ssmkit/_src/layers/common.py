@@ -69,3 +69,15 @@ def check_initial_state(initial_state: Any, expected: Any) -> None:
         "`initial_state` must be a state like `initialize_state` makes for these inputs: "
         f"{want}, got {got}."
     )
+
+
+def clear(state: Any, reset: Array | None) -> Any:
+  """`state` (any pytree of `(*batch, ...)` arrays) set to zero where `(*batch,)` `reset` is True."""
+  if reset is None:
+    return state
+
+  def leaf(s: Array) -> Array:
+    flags = reset.reshape(reset.shape + (1,) * (s.ndim - reset.ndim))
+    return jnp.where(flags, jnp.zeros_like(s), s)
+
+  return jax.tree.map(leaf, state)

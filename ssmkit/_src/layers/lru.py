@@ -143,8 +143,7 @@ class LRU(nn.Module):
     """
     x_t, reset = common.check_step(x_t, reset)
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x_t.shape[-1])
-    if reset is not None:
-      state = jnp.where(reset[..., None], jnp.zeros_like(state), state)
+    state = common.clear(state, reset)
     xf = x_t.astype(accumulation_dtype(x_t.dtype))
     state = common.leading_ones(lam, state.ndim) * state + self._input(xf, b_re, b_im)
     return state, self._output(state, xf, c_re, c_im, d).astype(x_t.dtype)

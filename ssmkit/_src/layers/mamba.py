@@ -213,10 +213,7 @@ class Mamba(nn.Module):
     """
     x_t, reset = common.check_step(x_t, reset)
     p = self._parameters(x_t.shape[-1])
-    conv, ssm = state
-    if reset is not None:
-      conv = jnp.where(reset[..., None, None], jnp.zeros_like(conv), conv)
-      ssm = jnp.where(reset[..., None, None], jnp.zeros_like(ssm), ssm)
+    conv, ssm = common.clear(state, reset)
     xf = x_t.astype(accumulation_dtype(x_t.dtype))
     inner = p.d.shape[0]
     v, z = xf @ p.w_in[:, :inner], xf @ p.w_in[:, inner:]

@@ -182,8 +182,7 @@ class S4D(nn.Module):
       raise ValueError("a bidirectional S4D has no step mode: its output needs the future.")
     x_t, reset = common.check_step(x_t, reset)
     a_bar, b_bar, c, d = self._parameters(x_t.shape[-1])
-    if reset is not None:
-      state = jnp.where(reset[..., None, None], jnp.zeros_like(state), state)
+    state = common.clear(state, reset)
     xf = x_t.astype(accumulation_dtype(x_t.dtype))
     state = common.leading_ones(a_bar, state.ndim) * state + xf[..., None] * common.leading_ones(
         b_bar, state.ndim

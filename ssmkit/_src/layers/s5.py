@@ -168,8 +168,7 @@ class S5(nn.Module):
       raise ValueError("a bidirectional S5 has no step mode: its output needs the future.")
     x_t, reset = common.check_step(x_t, reset)
     lam_bar, b_bar, c, d = self._parameters(x_t.shape[-1])
-    if reset is not None:
-      state = jnp.where(reset[..., None], jnp.zeros_like(state), state)
+    state = common.clear(state, reset)
     xf = x_t.astype(accumulation_dtype(x_t.dtype))
     state = common.leading_ones(lam_bar, state.ndim) * state + xf.astype(b_bar.dtype) @ b_bar.T
     y = self._read(state, c[0]) + xf * common.leading_ones(d, xf.ndim)
