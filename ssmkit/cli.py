@@ -1,7 +1,7 @@
 """The `ssmkit` command line.
 
     ssmkit bench {scan,rl,layers,sequence-parallel} [--shapes small|full] [--repeats N] [--markdown]
-    ssmkit train CONFIG [--workdir DIR] [key=value ...]   (supervised or PPO, by the config)
+    ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (supervised or PPO)
     ssmkit eval --workdir DIR
 
 Each command is a subparser whose `run` default unpacks the parsed flags into a
@@ -62,6 +62,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
   workdir = args.workdir or pathlib.Path("workdirs") / pathlib.Path(args.config).stem
   try:
+    if args.distributed or {args.coordinator_address, args.num_processes, args.process_id} != {None}:
+      train.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     config = train.load_config(args.config, args.overrides)
     if isinstance(config, train.PPOConfig):
       summary, metric = train.train_ppo(config, workdir), "mean_episode_return"
@@ -112,6 +114,22 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
       help="directory of checkpoints, metrics and summary; rerunning resumes there; "
            "default: workdirs/<config name>",
   )
+  distributed = parser.add_argument_group(
+      "multi-process runs",
+      "Every process of the run gets the same command, with its own --process-id; the config's "
+      "`mesh` section then spans the devices of all processes. A flag left out comes from "
+      "SSMKIT_COORDINATOR_ADDRESS, SSMKIT_NUM_PROCESSES or SSMKIT_PROCESS_ID, else JAX detects it "
+      "on Slurm, Open MPI, Kubernetes and Cloud TPU.",
+  )
+  distributed.add_argument(
+      "--distributed", action="store_true",
+      help="join a multi-process run (implied by any of the flags below)",
+  )
+  distributed.add_argument("--coordinator-address", metavar="HOST:PORT",
+                           help="address of process 0, reachable from every process")
+  distributed.add_argument("--num-processes", type=_positive_int, metavar="N",
+                           help="number of processes of the run")
+  distributed.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
   parser.add_argument(
       "overrides", nargs="*", metavar="key=value",
       help="config overrides, e.g. train.epochs=5 model.layer_kwargs.d_state=32",

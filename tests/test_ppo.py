@@ -49,6 +49,7 @@ TINY = (
     "train.eval_every=2",
     "train.eval_steps=16",
     "train.checkpoint_every=2",
+    "mesh.data=1",  # one device: tests/test_data_parallel.py runs on all eight
 )
 
 

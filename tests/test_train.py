@@ -38,6 +38,7 @@ TINY = (
     "train.log_every=1",
     "train.eval_every=3",
     "train.checkpoint_every=3",
+    "mesh.data=1",  # one device: tests/test_data_parallel.py runs on all eight
 )
 
 
@@ -255,6 +256,7 @@ SMALL_MODEL = (
     "train.steps=8",
     "train.log_every=1",
     "train.eval_every=0",
+    "mesh.data=1",
 )
 
 

@@ -7,6 +7,7 @@ recurrent policies on gymnax environments (`PPOConfig`, `train_ppo`).
 from ssmkit._src.train.config import (
     Config,
     DataConfig,
+    MeshConfig,
     ModelConfig,
     OptimizerConfig,
     TrainConfig,
@@ -17,6 +18,7 @@ from ssmkit._src.train.errors import ConfigError, Interrupted
 from ssmkit._src.train.loop import evaluate, train_and_evaluate
 from ssmkit._src.train.model import build_model
 from ssmkit._src.train.optim import make_optimizer
+from ssmkit._src.train.parallel import initialize_distributed
 from ssmkit._src.train.ppo import Agent, PPOState, VecEnv, ppo_loss, ppo_update
 from ssmkit._src.train.ppo_config import (
     EnvConfig,
@@ -35,6 +37,7 @@ __all__ = [
     "DataConfig",
     "EnvConfig",
     "Interrupted",
+    "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PPOConfig",
@@ -49,6 +52,7 @@ __all__ = [
     "eval_step",
     "evaluate",
     "evaluate_ppo",
+    "initialize_distributed",
     "load_config",
     "make_agent",
     "make_env",

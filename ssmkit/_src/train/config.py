@@ -105,6 +105,19 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+  """The devices a run uses: a one-axis `jax.sharding.Mesh` named "data" that splits every batch.
+
+  Parameters and optimizer state are replicated on every device of the mesh. A run may resume on
+  another number of devices.
+  """
+
+  # Devices on the "data" axis, the first ones of `jax.devices()`; -1: every device of every
+  # process. Must divide the batch size; a multi-process run uses every device.
+  data: int = -1
+
+
+@dataclasses.dataclass
 class Config:
   """A whole training run: `ssmkit train CONFIG` and `train_and_evaluate` read this."""
 
@@ -112,6 +125,7 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
 # Each string field with the values it may take.

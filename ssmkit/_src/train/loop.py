@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 import numpy as np
-import tqdm
+from jax.sharding import Mesh
 
 from ssmkit import data
-from ssmkit._src.train import metrics
+from ssmkit._src.train import metrics, parallel
 from ssmkit._src.train.batches import TrainBatches, eval_batches, split_arrays
 from ssmkit._src.train.checkpoint import Checkpoints
 from ssmkit._src.train.config import Config, DataConfig, to_dict, validate
@@ -39,9 +39,10 @@ from ssmkit._src.train.workdir import (
 
 @dataclasses.dataclass
 class _Run:
-  """What a config builds: the data, the initial state and the length of the run."""
+  """What a config builds: the data, the devices, the initial state and the length of the run."""
 
   dataset: data.SequenceDataset
+  mesh: Mesh
   train_batches: TrainBatches
   eval_batches: list[dict[str, np.ndarray]]
   total_steps: int
@@ -78,6 +79,7 @@ def _setup(config: Config) -> _Run:
   model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
   arrays = split_arrays(dataset, "train")
   train_batches = TrainBatches(arrays, config.data.batch_size, config.train.seed)
+  mesh = parallel.data_mesh(config.mesh, config.data.batch_size, "data.batch_size")
   total_steps = config.train.steps or config.train.epochs * train_batches.steps_per_epoch
   tx = make_optimizer(config.optimizer, config.model.layer, total_steps)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
@@ -85,17 +87,24 @@ def _setup(config: Config) -> _Run:
   state = create_train_state(model, tx, example, params_key, config.model.mode)
   return _Run(
       dataset=dataset,
+      mesh=mesh,
       train_batches=train_batches,
       eval_batches=eval_batches(split_arrays(dataset, "test"), config.data.batch_size),
       total_steps=total_steps,
-      state=state,
-      dropout_key=dropout_key,
+      state=parallel.place(state, parallel.replicated(mesh)),
+      dropout_key=parallel.place(dropout_key, parallel.replicated(mesh)),
   )
 
 
-def _evaluate(step_fn: Callable[..., Any], state: TrainState, batches: list[dict[str, np.ndarray]]
-              ) -> dict[str, float]:
-  sums = jax.device_get([step_fn(state, batch) for batch in batches])
+def _jit_steps(mesh: Mesh) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """`train_step` and `eval_step` compiled for batches split over `mesh`, their outputs replicated."""
+  replicated = parallel.replicated(mesh)
+  return jax.jit(train_step, out_shardings=replicated), jax.jit(eval_step, out_shardings=replicated)
+
+
+def _evaluate(step_fn: Callable[..., Any], run: _Run, state: TrainState) -> dict[str, float]:
+  split = parallel.split(run.mesh)
+  sums = jax.device_get([step_fn(state, parallel.place(batch, split)) for batch in run.eval_batches])
   result = mean_metrics({key: sum(s[key] for s in sums) for key in sums[0]})
   return {"test_loss": result["loss"], "test_accuracy": result["accuracy"]}
 
@@ -146,28 +155,29 @@ def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, 
   metrics.truncate(metrics_path, step)
   num_params = count_parameters(state.params)
   batch_size = config.data.batch_size
-  write = tqdm.tqdm.write
+  bar, write = metrics.console(run.total_steps, step, "train", "step")
   write(
       f"{config.model.layer} model with {num_params:,} parameters, {run.total_steps} steps of "
-      f"{batch_size} sequences ({run.total_steps / run.train_batches.steps_per_epoch:.1f} epochs)"
+      f"{batch_size} sequences ({run.total_steps / run.train_batches.steps_per_epoch:.1f} epochs) "
+      f"on {run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
       + (f", resuming from step {step}" if step else "")
   )
-  train_step_fn, eval_step_fn = jax.jit(train_step), jax.jit(eval_step)
+  train_step_fn, eval_step_fn = _jit_steps(run.mesh)
+  split = parallel.split(run.mesh)
   test = None
   pending, log_step, log_time = [], step, time.perf_counter()
-  with stop_requests() as stop, tqdm.tqdm(
-      total=run.total_steps, initial=step, desc="train", unit="step", disable=None, dynamic_ncols=True
-  ) as bar:
+  with stop_requests() as stop, bar:
     while step < run.total_steps:
-      state, sums = train_step_fn(state, next(run.train_batches), run.dropout_key)
+      batch = parallel.place(next(run.train_batches), split)
+      state, sums = train_step_fn(state, batch, run.dropout_key)
       step += 1
       pending.append(sums)
       bar.update()
       last = step == run.total_steps
       record: dict[str, Any] = {}
       if step % config.train.log_every == 0 or last:
+        pending = jax.device_get(pending)  # Waits for the steps, so `now` is when they ended.
         now = time.perf_counter()
-        pending = jax.device_get(pending)
         train = mean_metrics({key: sum(s[key] for s in pending) for key in pending[0]})
         record.update(
             loss=train["loss"],
@@ -180,9 +190,10 @@ def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, 
           write(_line(step, train))
         pending, log_step, log_time = [], step, now
       if (config.train.eval_every and step % config.train.eval_every == 0) or last:
-        test = _evaluate(eval_step_fn, state, run.eval_batches)
+        test = _evaluate(eval_step_fn, run, state)
         record.update(test)
         write(_line(step, test))
+        log_time = time.perf_counter()  # Throughput counts training only.
       if record:
         metrics.append(metrics_path, {"step": step, **record})
       for hook in hooks:
@@ -194,7 +205,7 @@ def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, 
       if stopping:
         raise Interrupted(stop.signal_name, step, str(workdir))
   if test is None:  # The run had already reached its last step.
-    test = _evaluate(eval_step_fn, state, run.eval_batches)
+    test = _evaluate(eval_step_fn, run, state)
     write(_line(step, test))
   summary = {
       **test,
@@ -223,5 +234,5 @@ def evaluate(workdir: str | pathlib.Path) -> dict[str, Any]:
     FileNotFoundError: if `workdir` has no config or no checkpoint.
   """
   step, run, state = restore_latest(workdir, Config, _setup)
-  test = _evaluate(jax.jit(eval_step), state, run.eval_batches)
+  test = _evaluate(_jit_steps(run.mesh)[1], run, state)
   return {"step": step, **test, "test_examples": run.dataset.num_test}

@@ -1,13 +1,44 @@
-"""A run's records: `metrics.jsonl` (one JSON object per logged step), `summary.json`, `curves.png`."""
+"""A run's records: `metrics.jsonl` (one JSON object per logged step), `summary.json`, `curves.png`.
+
+In a multi-process run the processes share the workdir and only process 0 writes or prints.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
 
+import tqdm
 from matplotlib.figure import Figure
+
+from ssmkit._src.train.parallel import is_primary
+
+_Args = ParamSpec("_Args")
+
+
+def primary_only(write: Callable[_Args, None]) -> Callable[_Args, None]:
+  """`write` that runs on process 0 only."""
+
+  @functools.wraps(write)
+  def wrapper(*args: _Args.args, **kwargs: _Args.kwargs) -> None:
+    if is_primary():
+      write(*args, **kwargs)
+
+  return wrapper
+
+
+def console(total: int, initial: int, desc: str, unit: str) -> tuple[tqdm.tqdm, Callable[[str], None]]:
+  """A tqdm progress bar from `initial` to `total` and a function that prints a line above it.
+
+  Both are silent on processes other than 0, and the bar is off when the output is not a terminal.
+  """
+  primary = is_primary()
+  bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=None if primary else True,
+                  dynamic_ncols=True)
+  return bar, tqdm.tqdm.write if primary else lambda line: None
 
 
 def read(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -17,23 +48,27 @@ def read(path: pathlib.Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@primary_only
 def truncate(path: pathlib.Path, step: int) -> None:
   """Drops the records after `step`, e.g. those logged after the checkpoint a run resumes from."""
   kept = [record for record in read(path) if record["step"] <= step]
   path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
 
+@primary_only
 def append(path: pathlib.Path, record: dict[str, Any]) -> None:
   """Adds one record (a dict with "step") as a line of `path`."""
   with path.open("a") as file:
     file.write(json.dumps(record) + "\n")
 
 
+@primary_only
 def write_summary(path: pathlib.Path, summary: dict[str, Any]) -> None:
   """Writes `summary` as indented JSON."""
   path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
+@primary_only
 def plot_curves(records: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   """Plots train and test loss and accuracy against the step into a PNG file.
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from ssmkit._src.train.config import CHOICES, MINIMUMS, ModelConfig, check_values, get_field
+from ssmkit._src.train.config import CHOICES, MINIMUMS, MeshConfig, ModelConfig, check_values, get_field
 from ssmkit._src.train.errors import ConfigError
 
 
@@ -108,6 +108,8 @@ class PPOConfig:
   model: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
   ppo: PPOHyperparameters = dataclasses.field(default_factory=PPOHyperparameters)
   train: PPOTrainConfig = dataclasses.field(default_factory=PPOTrainConfig)
+  # The "data" axis splits the environments.
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
 _CHOICES = {

@@ -20,10 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-import tqdm
+from jax.sharding import Mesh
 from matplotlib.figure import Figure
 
-from ssmkit._src.train import metrics
+from ssmkit._src.train import metrics, parallel
 from ssmkit._src.train.checkpoint import Checkpoints
 from ssmkit._src.train.config import to_dict
 from ssmkit._src.train.errors import ConfigError, Interrupted
@@ -115,9 +115,11 @@ def make_ppo_optimizer(hp: PPOHyperparameters, updates: int
 
 @dataclasses.dataclass
 class _Run:
-  """What a config builds: the environments, the policy, the initial state and the jitted steps."""
+  """What a config builds: the environments, the devices, the policy, the initial state and the jitted
+  steps."""
 
   env: VecEnv
+  mesh: Mesh
   agent: Agent
   state: PPOState
   schedule: optax.Schedule
@@ -130,12 +132,17 @@ def _setup(config: PPOConfig) -> _Run:
   agent = make_agent(config.model, env)
   tx, schedule = make_ppo_optimizer(config.ppo, config.train.updates)
   key = jax.random.key(config.train.seed)
-  state = create_ppo_state(agent, env, tx, key)
+  mesh = parallel.data_mesh(config.mesh, config.env.num_envs, "env.num_envs")
+  replicated, split = parallel.replicated(mesh), parallel.split(mesh)
+  # The environments, and all that goes with them, are split over the devices.
+  shardings = PPOState(train_state=replicated, actor=split, key=replicated, update=replicated)
+  state = jax.tree.map(lambda sharding, part: parallel.place(part, sharding), shardings,
+                       create_ppo_state(agent, env, tx, key))
   evaluate_fn = jax.jit(functools.partial(
       evaluate_policy, agent, env, num_steps=config.train.eval_steps, greedy=config.train.eval_greedy
-  ))
+  ), out_shardings=replicated)
   # Every evaluation plays the same episodes, so evaluations of a run compare like with like.
-  eval_key = jax.random.fold_in(key, 1)
+  eval_key = parallel.place(jax.random.fold_in(key, 1), replicated)
 
   def evaluate(params: Any) -> dict[str, float]:
     return_sum, episodes = jax.device_get(evaluate_fn(params, eval_key))
@@ -143,10 +150,12 @@ def _setup(config: PPOConfig) -> _Run:
 
   return _Run(
       env=env,
+      mesh=mesh,
       agent=agent,
       state=state,
       schedule=schedule,
-      update=jax.jit(functools.partial(ppo_update, agent, env, config.ppo)),
+      update=jax.jit(functools.partial(ppo_update, agent, env, config.ppo),
+                     out_shardings=(shardings, replicated)),
       evaluate=evaluate,
   )
 
@@ -224,17 +233,16 @@ def _train(config: PPOConfig, workdir: pathlib.Path, run: _Run, state: PPOState,
   metrics.truncate(metrics_path, update)
   num_params = count_parameters(state.train_state.params)
   steps_per_update = config.env.num_envs * config.ppo.rollout_steps
-  write = tqdm.tqdm.write
+  bar, write = metrics.console(total, update, "ppo", "update")
   write(
       f"{'recurrent' if run.agent.recurrent else 'feed-forward'} {config.model.layer} policy with "
       f"{num_params:,} parameters on {config.env.name}, {total} updates of {config.env.num_envs} x "
-      f"{config.ppo.rollout_steps} steps" + (f", resuming from update {update}" if update else "")
+      f"{config.ppo.rollout_steps} steps on {run.mesh.size} {run.mesh.devices.flat[0].platform} "
+      "device(s)" + (f", resuming from update {update}" if update else "")
   )
   evaluation, train_return = None, None
   pending, log_time = [], time.perf_counter()
-  with stop_requests() as stop, tqdm.tqdm(
-      total=total, initial=update, desc="ppo", unit="update", disable=None, dynamic_ncols=True
-  ) as bar:
+  with stop_requests() as stop, bar:
     while update < total:
       state, update_metrics = run.update(state)
       update += 1
@@ -287,6 +295,7 @@ def _train(config: PPOConfig, workdir: pathlib.Path, run: _Run, state: PPOState,
   return summary
 
 
+@metrics.primary_only
 def plot_returns(records: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   """Plots episode returns and the PPO losses against environment steps into a PNG file.
 

@@ -10,6 +10,7 @@ from typing import Any
 from ssmkit._src.train.checkpoint import Checkpoints
 from ssmkit._src.train.config import load_config, to_dict, to_yaml
 from ssmkit._src.train.errors import ConfigError
+from ssmkit._src.train.parallel import is_primary
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
@@ -85,7 +86,8 @@ def start_or_resume(
     start = checkpoints.latest_step()
     if start is not None:
       check_same_run(workdir, config, sections)
-    (workdir / CONFIG_FILE).write_text(to_yaml(config))
+    if is_primary():
+      (workdir / CONFIG_FILE).write_text(to_yaml(config))
     run = setup(config)
     state, wall_before = run.state, 0.0
     if start is not None:

@@ -1,0 +1,177 @@
+"""Data-parallel and multi-process training: the same run on 1, 2 and 8 host devices and 2 processes.
+
+A run on a mesh of n devices splits every batch n ways and replicates the parameters; it must
+compute what one device computes, up to float32 rounding: the same loss at every step, the same
+parameters at the end. The runs use the tiny mnist1d_lru of tests/test_train.py with LayerNorm
+and dropout (with BatchNorm after the encoder the encoder bias has no gradient, and Adam turns
+rounding noise into steps of the learning rate, so the parameters would not be comparable) and
+one BatchNorm pair that checks the statistics span the whole batch.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from ssmkit import cli, train
+from ssmkit._src.train import metrics
+
+STEPS = 6
+TINY = (
+    "data.kwargs.num_samples=200",
+    "data.batch_size=16",
+    "model.num_blocks=1",
+    "model.features=16",
+    "model.layer_kwargs.d_state=8",
+    "model.norm=layer",
+    "model.dropout_rate=0.1",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=0.01",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.checkpoint_every=3",
+)
+
+
+def _run(workdir, *overrides, hooks=()):
+  with jax.enable_x64(False):
+    return train.train_and_evaluate(train.load_config("mnist1d_lru", [*TINY, *overrides]), workdir,
+                                    hooks=hooks)
+
+
+def _losses(workdir):
+  return [r["loss"] for r in metrics.read(pathlib.Path(workdir) / "metrics.jsonl")]
+
+
+def _params(workdir, step=STEPS):
+  """The parameters of a checkpoint, restored onto one device whatever the devices that saved them."""
+  path = pathlib.Path(workdir, "checkpoints", str(step), "state").absolute()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with ocp.StandardCheckpointer() as checkpointer:
+    metadata = checkpointer.metadata(path).item_metadata
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+    return checkpointer.restore(path, target)["params"]
+
+
+def _assert_same_run(workdir, reference):
+  np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               _params(workdir), _params(reference))
+  summary, expected = (json.loads((pathlib.Path(w) / "summary.json").read_text())
+                       for w in (workdir, reference))
+  assert summary["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("one_device")
+  _run(workdir, "mesh.data=1")
+  return workdir
+
+
+def test_default_mesh_uses_every_device_and_equals_one_device(one_device, tmp_path, capsys):
+  assert jax.device_count() == 8
+  _run(tmp_path)
+  assert "on 8 cpu device(s)" in capsys.readouterr().out
+  _assert_same_run(tmp_path, one_device)
+
+
+def test_run_resumes_on_another_number_of_devices(one_device, tmp_path):
+  def send_sigint(step):
+    if step == 4:
+      signal.raise_signal(signal.SIGINT)
+
+  with pytest.raises(train.Interrupted):
+    _run(tmp_path, "mesh.data=8", hooks=[send_sigint])
+  shutil.rmtree(tmp_path / "checkpoints" / "4")  # resume from step 3, saved by 8 devices
+  _run(tmp_path, "mesh.data=2")
+  _assert_same_run(tmp_path, one_device)
+
+
+def test_batch_norm_statistics_span_the_whole_batch(tmp_path):
+  norm = ("model.norm=batch", "model.dropout_rate=0.0", "train.steps=3")
+  _run(tmp_path / "one", "mesh.data=1", *norm)
+  _run(tmp_path / "eight", "mesh.data=8", *norm)
+  # Statistics of each device's 2 sequences would change the loss at the first step already.
+  np.testing.assert_allclose(_losses(tmp_path / "eight"), _losses(tmp_path / "one"), rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("mesh.data=0", r"`mesh.data` must be -1"),
+        ("mesh.data=16", r"`mesh.data`=16 asks for more devices than the 8"),
+        ("mesh.data=3", r"`data.batch_size`=16 must be a multiple of `mesh.data`, 3 devices"),
+    ],
+)
+def test_bad_mesh_is_a_config_error(override, message, tmp_path):
+  with pytest.raises(train.ConfigError, match=message):
+    _run(tmp_path, override)
+
+
+PPO_TINY = (
+    "env.num_envs=8",
+    "env.kwargs.memory_length=3",
+    "ppo.rollout_steps=16",
+    "ppo.epochs=2",
+    "ppo.minibatches=2",
+    "model.features=8",
+    "model.layer_kwargs.d_state=4",
+    "train.updates=2",
+    "train.log_every=1",
+    "train.eval_steps=16",
+)
+
+
+def test_ppo_splits_the_environments_and_equals_one_device(tmp_path):
+  records = {}
+  for devices in (1, 8):
+    workdir = tmp_path / str(devices)
+    with jax.enable_x64(False):
+      train.train_ppo(train.load_config("ppo_memory_lru", [*PPO_TINY, f"mesh.data={devices}"]), workdir)
+    records[devices] = metrics.read(workdir / "metrics.jsonl")
+  assert len(records[1]) == 2
+  for one, eight in zip(records[1], records[8], strict=True):
+    assert one["mean_episode_return"] == eight["mean_episode_return"]  # the same actions were taken
+    for key in ("policy_loss", "value_loss", "entropy"):
+      assert eight[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6)
+
+
+def test_ppo_environments_must_split_evenly(tmp_path, capsys):
+  overrides = ["env.num_envs=12", "ppo.minibatches=2", "mesh.data=8", "train.updates=1"]
+  assert cli.main(["train", "ppo_memory_lru", "--workdir", str(tmp_path), *overrides]) == 2
+  assert "`env.num_envs`=12 must be a multiple of `mesh.data`, 8 devices" in capsys.readouterr().err
+
+
+def _free_port():
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def test_two_processes_train_like_one_device(one_device, tmp_path):
+  """`ssmkit train` in 2 processes of 2 CPU devices each, joined by jax.distributed."""
+  address = f"localhost:{_free_port()}"
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu"}
+  command = [sys.executable, "-m", "ssmkit", "train", "mnist1d_lru", "--workdir", str(tmp_path),
+             "--coordinator-address", address, "--num-processes", "2", *TINY]
+  processes = [
+      subprocess.Popen([*command, "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+      for i in range(2)
+  ]
+  outputs = [process.communicate(timeout=300)[0] for process in processes]
+  assert [process.returncode for process in processes] == [0, 0], outputs
+  assert "on 4 cpu device(s)" in outputs[0]
+  assert "on 4 cpu device(s)" not in outputs[1]  # only process 0 prints
+  _assert_same_run(tmp_path, one_device)
