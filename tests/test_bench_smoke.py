@@ -1,4 +1,4 @@
-"""`ssmkit bench scan --shapes small` runs end to end and prints the whole table."""
+"""Every `ssmkit bench` runs end to end with `--shapes small` and prints its whole table."""
 
 import jax
 
@@ -15,7 +15,7 @@ METHODS = (
 )
 
 
-def test_bench_scan_small_prints_every_method_shape_and_criterion(capsys):
+def test_bench_scan_small_prints_every_method_shape_criterion_and_the_split(capsys):
   status = cli.main(["bench", "scan", "--shapes", "small", "--repeats", "2"])
   out = capsys.readouterr().out
   assert status == 0
@@ -24,6 +24,11 @@ def test_bench_scan_small_prints_every_method_shape_and_criterion(capsys):
   for shape in ("T=64 D=2", "B=2 T=16 D=2"):
     assert shape in out
   assert out.count("PASS") + out.count("FAIL") == 5  # one line per acceptance criterion
+  # The sequence-parallel table follows, the split checked against one device.
+  split = out[out.index("Sequence parallelism:"):]
+  for text in (" one device ", f" sequence-parallel x{len(jax.devices())} ", "T=64 D=2",
+               "not a speed claim"):
+    assert text in split
 
 
 def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
@@ -44,15 +49,6 @@ def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
   assert "LRU " in out
   for name in (" sequential ", " parallel ", "unrolled", "nn.scan"):
     assert name in out
-
-
-def test_bench_sequence_parallel_small_checks_the_split_against_one_device(capsys):
-  status = cli.main(["bench", "sequence-parallel", "--shapes", "small", "--repeats", "2"])
-  out = capsys.readouterr().out
-  assert status == 0
-  for text in (" one device ", f" sequence-parallel x{len(jax.devices())} ", "T=64 D=2",
-               "not a speed claim"):
-    assert text in out
 
 
 def test_bench_sequence_parallel_on_one_device_says_how_to_get_more(capsys, monkeypatch):

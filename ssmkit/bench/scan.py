@@ -4,7 +4,8 @@ For every shape, each method computes h_t = a_t * h_{t-1} + b_t (float32, h_{-1}
 a_t ~ U(0.5, 1), b_t ~ N(0, 1)); the forward pass and the gradient of sum(h * w) with
 respect to `a` and `b` (w ~ N(0, 1), so the cotangent is not all ones) are timed. Every
 method is first checked against the `lax.scan` baseline, so the table compares equal
-results.
+results. With more than one device, the `ssmkit bench sequence-parallel` table follows: the
+same recurrence with time split over every device, against one device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ssmkit.bench import _timing
+from ssmkit.bench import _timing, sequence_parallel
 from ssmkit.scan import linear_recurrence
 
 Array = jax.Array
@@ -357,4 +358,6 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   print("Criteria (auto mode of linear_recurrence):")
   for c in criteria(results, suite):
     print(f"{'- ' if markdown else ''}{'PASS' if c.passed else 'FAIL'}  {c.text}")
-  return 0
+  print()
+  print("Sequence parallelism:")
+  return sequence_parallel.run(shapes=shapes, repeats=repeats, markdown=markdown)
