@@ -35,6 +35,25 @@ def linear_recurrence(a, b, h0=None, reset=None, reverse=False):
   return out
 
 
+def selective_scan(u, dt, a, b, c, h0=None, reset=None):
+  """Mamba's selective scan over axis -2 in float64, one step at a time; returns (y, h_last).
+
+  h_t = exp(dt_t[:, None] * a) * h_{t-1} + (dt_t * u_t)[:, None] * b_t[None, :] and
+  y_t = h_t @ c_t, for u, dt `(..., T, D)`, a `(D, N)`, b, c `(..., T, N)`; `reset[..., t]`
+  zeroes the state before step t.
+  """
+  u, dt, a, b, c = (np.asarray(x, np.float64) for x in (u, dt, a, b, c))
+  h = np.zeros(u.shape[:-2] + a.shape) if h0 is None else np.array(h0, np.float64)
+  reset = np.zeros(u.shape[:-1], bool) if reset is None else np.asarray(reset)
+  y = np.empty(u.shape)
+  for t in range(u.shape[-2]):
+    h = np.where(reset[..., t, None, None], 0.0, h)
+    x_t = dt[..., t, :] * u[..., t, :]
+    h = np.exp(dt[..., t, :, None] * a) * h + x_t[..., None] * b[..., t, None, :]
+    y[..., t, :] = np.sum(h * c[..., t, None, :], axis=-1)
+  return y, h
+
+
 def _segments(length, truncated):
   """[start, end) ranges of the trajectory, each ending after a truncated step or at T."""
   ends = [t + 1 for t in range(length) if truncated[t]]

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.layers.selective_scan import selective_scan
+from ssmkit._src.linear_recurrence import accumulation_dtype
 
 Array = jax.Array
 
@@ -67,9 +68,10 @@ class Mamba(nn.Module):
   Inputs `(..., T, H)` give outputs `(..., T, H)`. Per step t, with u_t the convolved and
   SiLU-activated input (`d_inner` channels): dt_t = softplus(W_dt W_x u_t + b), B_t and C_t
   are linear in u_t, h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t (ZOH for A, Euler for B, as
-  the paper's code), y_t = C_t h_t + D u_t, gated by SiLU(z_t). The recurrence runs through
-  `ssmkit.scan.linear_recurrence`; `reset` clears both the SSM state and the convolution
-  window.
+  the paper's code), y_t = C_t h_t + D u_t, gated by SiLU(z_t). The scan computes C_t h_t
+  inside the recurrence and its gradient recomputes the states chunk by chunk, so the
+  `(..., T, d_inner, N)` states are never all stored; `reset` clears both the SSM state and
+  the convolution window.
 
   Attributes:
     d_state: SSM state size N per channel.
@@ -129,7 +131,8 @@ class Mamba(nn.Module):
     Args:
       x: `(..., T, H)` inputs.
       reset: optional `(..., T)` booleans; True starts a new episode at that step.
-      mode: scan mode of the selective recurrence.
+      mode: scan mode of the selective recurrence ("auto", "sequential", "parallel",
+        "chunked"; see `selective_scan`).
       initial_state: optional `MambaState` to start from, as `step` makes it; default zeros.
       return_state: also return the state after the last step.
 
@@ -146,13 +149,8 @@ class Mamba(nn.Module):
     conv, window = self._convolve(p, v, (initial_state or zero).conv, reset)
     u = jax.nn.silu(conv)
     dt, b, c = self._selective(p, u)
-    decay = jnp.exp(dt[..., None] * common.leading_ones(p.a, dt.ndim + 1))
-    inputs = (dt * u)[..., None] * b[..., None, :]
-    flags = None if reset is None else reset[..., None, None]
     h0 = None if initial_state is None else initial_state.ssm
-    h, last = linear_recurrence(decay, inputs, h0, reset=flags, axis=-3, mode=mode,
-                                return_final_state=True)
-    y = jnp.einsum("...dn,...n->...d", h, c)
+    y, last = selective_scan(u, dt, p.a, b, c, h0=h0, reset=reset, mode=mode)
     y = self._gate_and_project(p, y, u, z).astype(x.dtype)
     return (y, MambaState(window, last)) if return_state else y
 
