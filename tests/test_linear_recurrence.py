@@ -158,10 +158,10 @@ def test_gradients_match_autodiff_of_sequential_scan(kwargs, dtype, reverse, wit
   reset = (rng.uniform(size=(23, 1)) < 0.25) if with_reset else None
   w = _inputs(rng, (23, 3), dtype)[1]
   loss = lambda f: lambda a, b, h0: jnp.real(jnp.sum(w * f(a, b, h0)))
-  ours = jax.grad(
+  ours = jax.jit(jax.grad(
       loss(lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse, **kwargs)),
       argnums=(0, 1, 2),
-  )(a, b, h0)
+  ))(a, b, h0)
   ref = jax.grad(
       loss(lambda a, b, h0: _sequential_reference(a, b, h0, reset, reverse)), argnums=(0, 1, 2)
   )(a, b, h0)
@@ -179,7 +179,8 @@ def test_gradients_match_finite_differences(mode, reverse):
   f = lambda a, b, h0: linear_recurrence(
       a, b, h0, reset=reset, reverse=reverse, mode=mode, chunk_size=3, return_final_state=True
   )
-  check_grads(f, (a, b, h0), order=2, modes=["rev"], eps=1e-6)
+  # Jitted, so the many evaluations at perturbed inputs reuse one compilation.
+  check_grads(jax.jit(f), (a, b, h0), order=2, modes=["rev"], eps=1e-6)
 
 
 @pytest.mark.parametrize("a_shape", [(2,), (), (1, 2), (17, 1)])

@@ -250,15 +250,16 @@ def test_gradients_match_finite_differences(mode):
   rng = np.random.default_rng(0)
   r, d, v = _trajectories(rng, (9, 2))
   values = np.concatenate([v, rng.normal(size=(1, 2))])
+  # Jitted, so the many evaluations at perturbed inputs reuse one compilation.
   check_grads(
-      lambda r, d, x: rl.generalized_advantage_estimation(r, d, x, 0.8, mode=mode),
+      jax.jit(lambda r, d, x: rl.generalized_advantage_estimation(r, d, x, 0.8, mode=mode)),
       (r, d, values), order=2, modes=["rev"],
   )
   check_grads(
-      lambda r, x, lam: rl.lambda_returns(r, d, x, lam, mode=mode),
+      jax.jit(lambda r, x, lam: rl.lambda_returns(r, d, x, lam, mode=mode)),
       (r, v, rng.uniform(0.2, 0.8, r.shape)), order=1, modes=["rev"],
   )
-  check_grads(lambda r, x: rl.n_step_returns(r, d, x, 3, 0.7), (r, v), order=1, modes=["rev"])
+  check_grads(jax.jit(lambda r, x: rl.n_step_returns(r, d, x, 3, 0.7)), (r, v), order=1, modes=["rev"])
 
 
 def test_gradients_match_rlax():
