@@ -20,6 +20,15 @@ MODES = [
 ]
 MODE_IDS = ["sequential", "parallel", "chunked-seq", "chunked-par", "auto"]
 
+# Jitted: a test then compiles one program, where an eager call of the parallel and chunked
+# modes dispatches hundreds of small operations, each compiled on its own. The eager path
+# keeps its own tests (the enum and error tests).
+scan = jax.jit(
+    associative_scan,
+    static_argnums=0,
+    static_argnames=("reverse", "axis", "mode", "chunk_size", "inner", "exclusive"),
+)
+
 
 def _np_affine(x, y):
   return x[0] * y[0], y[0] * x[1] + y[1]
@@ -84,7 +93,7 @@ def _structured(name, elems):
 def test_every_operator_and_mode_matches_float64_loop(kwargs, name, length, reverse):
   rng = np.random.default_rng(length)
   op, elems, np_op = _case(name, rng, length)
-  out = associative_scan(op, _structured(name, elems), reverse=reverse, **kwargs)
+  out = scan(op, _structured(name, elems), reverse=reverse, **kwargs)
   expected = references.scan_loop(np_op, elems, reverse=reverse)
   for got, want in zip(jax.tree.leaves(out), expected, strict=True):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
@@ -95,8 +104,8 @@ def test_every_operator_and_mode_matches_float64_loop(kwargs, name, length, reve
 def test_drop_in_for_lax_associative_scan_with_non_commutative_operator(kwargs, reverse):
   """Matrix products do not commute: the operand order of `reverse` must match lax."""
   mats = jax.random.normal(jax.random.key(0), (11, 2, 3, 3), jnp.float64)
-  ours = associative_scan(jnp.matmul, mats, reverse=reverse, **kwargs)
-  theirs = lax.associative_scan(jnp.matmul, mats, reverse=reverse)
+  ours = scan(jnp.matmul, mats, reverse=reverse, **kwargs)
+  theirs = jax.jit(lambda m: lax.associative_scan(jnp.matmul, m, reverse=reverse))(mats)
   np.testing.assert_allclose(ours, theirs, rtol=1e-10)
 
 
@@ -115,10 +124,10 @@ def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, rever
   rng = np.random.default_rng(length)
   elems = {"a": rng.uniform(0.5, 1.0, shape), "b": [rng.normal(size=shape)]}
   fn = lambda x, y: {"a": x["a"] * y["a"], "b": [y["a"] * x["b"][0] + y["b"][0]]}
-  ours = associative_scan(fn, elems, axis=axis, reverse=reverse, mode=mode, inner=inner,
-                          chunk_size=chunk)
+  ours = scan(fn, elems, axis=axis, reverse=reverse, mode=mode, inner=inner, chunk_size=chunk)
   # lax.associative_scan cannot take an empty sequence; its scan of nothing is nothing.
-  theirs = elems if length == 0 else lax.associative_scan(fn, elems, axis=axis % 3, reverse=reverse)
+  theirs = elems if length == 0 else jax.jit(
+      lambda e: lax.associative_scan(fn, e, axis=axis % 3, reverse=reverse))(elems)
   # Both sides are float64 with different association orders: rounding is relative to the
   # largest magnitude, not to each (possibly cancelled, near-zero) element.
   def close(u, v):
@@ -131,11 +140,11 @@ def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, rever
 @pytest.mark.parametrize("reverse", [False, True])
 def test_exclusive_scan_is_shifted_inclusive_scan(kwargs, reverse):
   x = jnp.arange(1.0, 8.0)
-  inclusive = np.asarray(associative_scan(operators.add, x, reverse=reverse, **kwargs))
-  exclusive = associative_scan(operators.add, x, reverse=reverse, exclusive=True, **kwargs)
+  inclusive = np.asarray(scan(operators.add, x, reverse=reverse, **kwargs))
+  exclusive = scan(operators.add, x, reverse=reverse, exclusive=True, **kwargs)
   expected = np.append(inclusive[1:], 0.0) if reverse else np.insert(inclusive[:-1], 0, 0.0)
   np.testing.assert_array_equal(exclusive, expected)
-  m = associative_scan(operators.maximum, x, exclusive=True, **kwargs)
+  m = scan(operators.maximum, x, exclusive=True, **kwargs)
   assert m[0] == -np.inf
 
 
@@ -143,11 +152,10 @@ def test_segmented_operator_keeps_nan_inside_its_segment():
   values = jnp.array([1.0, jnp.nan, 2.0, 3.0, jnp.inf, 1.0])
   flags = jnp.array([False, False, True, False, True, False])
   for mode in ["sequential", "parallel", "chunked"]:
-    _, out = associative_scan(operators.with_resets(operators.add), (flags, values), mode=mode,
-                              chunk_size=2)
+    _, out = scan(operators.with_resets(operators.add), (flags, values), mode=mode, chunk_size=2)
     np.testing.assert_array_equal(out, [1.0, np.nan, 2.0, 5.0, np.inf, np.inf])
-    _, out = associative_scan(operators.with_resets(operators.maximum), (flags, -values),
-                              mode=mode, reverse=True)
+    _, out = scan(operators.with_resets(operators.maximum), (flags, -values), mode=mode,
+                  reverse=True)
     # Reversed, a flag at t cuts t off from t+1: the NaN at 1 reaches 0, never 2.
     np.testing.assert_array_equal(out, [np.nan, np.nan, -2.0, -3.0, -np.inf, -1.0])
 
@@ -158,7 +166,7 @@ def test_matrix_affine_runs_a_second_order_recurrence_in_companion_form():
   c1, c2, u = 0.5, -0.3, rng.normal(size=40)
   companion = np.broadcast_to(np.array([[c1, c2], [1.0, 0.0]]), (40, 2, 2))
   b = np.stack([u, np.zeros(40)], axis=1)
-  _, h = associative_scan(operators.matrix_affine, (companion, b), mode="chunked", chunk_size=6)
+  _, h = scan(operators.matrix_affine, (companion, b), mode="chunked", chunk_size=6)
   y, prev = np.zeros(40), (0.0, 0.0)
   for t in range(40):
     y[t] = c1 * prev[0] + c2 * prev[1] + u[t]

@@ -26,6 +26,17 @@ MODES = [
 ]
 LENGTHS = [0, 1, 2, 7, 13, 64, 97]
 
+# Jitted: a test then compiles one program, where an eager call of the parallel and chunked
+# modes dispatches hundreds of small operations, each compiled on its own. The eager path
+# keeps its own tests (test_jit_equals_no_jit_..., the error and chunk-length tests).
+recurrence = jax.jit(
+    linear_recurrence,
+    static_argnames=("reverse", "axis", "mode", "chunk_size", "inner", "return_final_state"),
+)
+final_state = jax.jit(
+    linear_recurrence_final_state, static_argnames=("reverse", "axis", "mode", "chunk_size")
+)
+
 
 def _inputs(rng, shape, dtype, axis=0, a_shape=None, low=0.5):
   """Decays in [low, 1) (unit modulus below 1 for complex) and normal inputs."""
@@ -58,7 +69,7 @@ def test_every_mode_matches_float64_loop(kwargs, length, reverse):
   a, b = _inputs(rng, (length, 3), np.float32)
   h0 = rng.normal(size=3).astype(np.float32)
   expected = references.linear_recurrence(a, b, h0, reverse=reverse)
-  h = linear_recurrence(a, b, h0, reverse=reverse, **kwargs)
+  h = recurrence(a, b, h0, reverse=reverse, **kwargs)
   chex.assert_shape(h, (length, 3))
   assert h.dtype == jnp.float32
   _assert_close(h, expected, np.float32)
@@ -74,7 +85,7 @@ def test_resets_h0_and_dtypes_match_float64_loop(kwargs, dtype, reverse):
   h0 = _inputs(rng, (2, 3), dtype)[1]
   reset = rng.uniform(size=(29, 2, 1)) < 0.2
   expected = references.linear_recurrence(a, b, h0, reset, reverse=reverse)
-  h, last = linear_recurrence(
+  h, last = recurrence(
       a, b, h0, reset=reset, reverse=reverse, return_final_state=True, **kwargs
   )
   assert h.dtype == dtype
@@ -109,7 +120,7 @@ def test_any_axis_and_broadcast_decay_match_loop(
       "time_only": tuple(n if i == time_axis else 1 for i, n in enumerate(shape)),
   }[a_kind]
   a = rng.uniform(0.3, 1.0, a_shape)
-  h = linear_recurrence(a, b, reverse=reverse, axis=axis, mode=mode, chunk_size=chunk)
+  h = recurrence(a, b, reverse=reverse, axis=axis, mode=mode, chunk_size=chunk)
   a_full = np.moveaxis(np.broadcast_to(a, shape), time_axis, 0)
   expected = references.linear_recurrence(a_full, np.moveaxis(b, time_axis, 0), reverse=reverse)
   np.testing.assert_allclose(h, np.moveaxis(expected, 0, time_axis), rtol=1e-12, atol=1e-12)
@@ -120,7 +131,8 @@ def test_bfloat16_accumulates_in_float32(mode):
   rng = np.random.default_rng(2)
   a, b = _inputs(rng, (500, 4), np.float32, low=0.99)
   a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
-  h = linear_recurrence(a16, b16, mode=mode)
+  # Jitted, a bfloat16 accumulator still rounds every step (checked: it fails this test).
+  h = recurrence(a16, b16, mode=mode)
   assert h.dtype == jnp.bfloat16
   expected = references.linear_recurrence(np.asarray(a16, np.float64), np.asarray(b16, np.float64))
   # One bfloat16 rounding of the output (2^-8 relative); a bf16 accumulator drifts far more.
@@ -162,9 +174,9 @@ def test_gradients_match_autodiff_of_sequential_scan(kwargs, dtype, reverse, wit
       loss(lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse, **kwargs)),
       argnums=(0, 1, 2),
   ))(a, b, h0)
-  ref = jax.grad(
+  ref = jax.jit(jax.grad(
       loss(lambda a, b, h0: _sequential_reference(a, b, h0, reset, reverse)), argnums=(0, 1, 2)
-  )(a, b, h0)
+  ))(a, b, h0)
   for g, r in zip(ours, ref, strict=True):
     np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-10)
 
@@ -190,9 +202,9 @@ def test_gradient_of_broadcast_decay_has_its_shape(a_shape, mode):
   a = rng.uniform(0.5, 1.0, a_shape)
   b = rng.normal(size=(17, 2))
   f = lambda a: jnp.sum(jnp.sin(linear_recurrence(a, b, mode=mode)))
-  g = jax.grad(f)(a)
+  g = jax.jit(jax.grad(f))(a)
   assert g.shape == a.shape
-  ref = jax.grad(lambda a: jnp.sum(jnp.sin(_sequential_reference(a, b, jnp.zeros(2)))))(a)
+  ref = jax.jit(jax.grad(lambda a: jnp.sum(jnp.sin(_sequential_reference(a, b, jnp.zeros(2))))))(a)
   np.testing.assert_allclose(g, ref, rtol=1e-10)
 
 
@@ -206,15 +218,15 @@ def test_decay_as_factors_equals_their_product(kwargs, reverse):
   reset = None if kwargs.get("inner") == "cumsum" else rng.uniform(size=(19, 1)) < 0.2
   expected = references.linear_recurrence(d * lam * scale, b, h0, reset, reverse)
   run = lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse, **kwargs)
-  _assert_close(run((d, lam, scale), b, h0), expected, np.float64)
+  _assert_close(jax.jit(run)((d, lam, scale), b, h0), expected, np.float64)
   loss = lambda d, lam, scale, b, h0: jnp.sum(w * run((d, lam, scale), b, h0))
-  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(d, lam, scale, b, h0)
-  ref = jax.grad(
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(d, lam, scale, b, h0)
+  ref = jax.jit(jax.grad(
       lambda d, lam, scale, b, h0: jnp.sum(
           w * _sequential_reference(d * lam * scale[None], b, h0, reset, reverse)
       ),
       argnums=(0, 1, 2, 3, 4),
-  )(d, lam, scale, b, h0)
+  ))(d, lam, scale, b, h0)
   for g, r in zip(grads, ref, strict=True):
     assert g.shape == r.shape
     np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-10)
@@ -225,10 +237,10 @@ def test_real_decay_complex_input_gives_real_gradient():
   a = rng.uniform(0.5, 1.0, (9, 2))
   b = rng.normal(size=(9, 2)) + 1j * rng.normal(size=(9, 2))
   f = lambda a, b: jnp.sum(jnp.abs(linear_recurrence(a, b)) ** 2)
-  ga, gb = jax.grad(f, argnums=(0, 1))(a, b)
+  ga, gb = jax.jit(jax.grad(f, argnums=(0, 1)))(a, b)
   assert ga.dtype == np.float64 and gb.dtype == np.complex128
   ref_loss = lambda a, b: jnp.sum(jnp.abs(_sequential_reference(a, b, jnp.zeros(2, b.dtype))) ** 2)
-  ref = jax.grad(ref_loss, argnums=(0, 1))(a, b)
+  ref = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(a, b)
   np.testing.assert_allclose(ga, ref[0], rtol=1e-10)
   np.testing.assert_allclose(gb, ref[1], rtol=1e-10)
 
@@ -238,12 +250,12 @@ def test_nan_before_reset_does_not_leak(mode):
   a = jnp.full((8, 2), 0.9)
   b = jnp.ones((8, 2)).at[2].set(jnp.nan)
   reset = jnp.zeros((8, 1), bool).at[4].set(True)
-  h = linear_recurrence(a, b, reset=reset, mode=mode, chunk_size=3)
+  h = recurrence(a, b, reset=reset, mode=mode, chunk_size=3)
   assert np.isnan(h[2:4]).all() and np.isfinite(h[4:]).all()
   expected = references.linear_recurrence(np.full((4, 2), 0.9), np.ones((4, 2)))
   np.testing.assert_allclose(h[4:], expected, rtol=1e-12)
   # The gradient of the part after the reset does not touch the NaN segment either.
-  g = jax.grad(lambda b: jnp.sum(linear_recurrence(a, b, reset=reset, mode=mode)[4:]))(b)
+  g = jax.jit(jax.grad(lambda b: jnp.sum(linear_recurrence(a, b, reset=reset, mode=mode)[4:])))(b)
   assert np.isfinite(g).all() and (np.asarray(g[:4]) == 0).all()
 
 
@@ -252,13 +264,13 @@ def test_nan_before_reset_does_not_leak(mode):
 def test_streaming_in_pieces_equals_one_pass(mode, reverse):
   rng = np.random.default_rng(7)
   a, b = _inputs(rng, (50, 3), np.float64)
-  whole = linear_recurrence(a, b, reverse=reverse, mode=mode)
+  whole = recurrence(a, b, reverse=reverse, mode=mode)
   pieces = [slice(0, 13), slice(13, 14), slice(14, 50)]
   if reverse:
     pieces = pieces[::-1]
   state, outs = None, {}
   for piece in pieces:
-    outs[piece.start], state = linear_recurrence(
+    outs[piece.start], state = recurrence(
         a[piece], b[piece], state, reverse=reverse, mode=mode, return_final_state=True
     )
   streamed = np.concatenate([outs[k] for k in sorted(outs)])
@@ -274,14 +286,15 @@ def test_final_state_path_matches_last_state_and_gradient(mode, reverse, length)
   h0 = _inputs(rng, (3,), np.complex128)[1]
   reset = rng.uniform(size=(length, 3)) < 0.2
   kw = dict(reset=reset, reverse=reverse, mode=mode, chunk_size=4)
-  final = linear_recurrence_final_state(a, b, h0, **kw)
+  final = final_state(a, b, h0, **kw)
   expected = references.linear_recurrence(a, b, h0, reset, reverse)
   expected = expected[0 if reverse else -1] if length else h0
   np.testing.assert_allclose(final, expected, rtol=1e-12)
   loss = lambda f: lambda a, b, h0: jnp.real(jnp.sum(f(a, b, h0) * jnp.arange(1, 4)))
-  g = jax.grad(loss(lambda *x: linear_recurrence_final_state(*x, **kw)), argnums=(0, 1, 2))(a, b, h0)
+  final_grad = jax.grad(loss(lambda *x: linear_recurrence_final_state(*x, **kw)), argnums=(0, 1, 2))
+  g = jax.jit(final_grad)(a, b, h0)
   full = lambda a, b, h0: linear_recurrence(a, b, h0, return_final_state=True, **kw)[1]
-  ref = jax.grad(loss(full), argnums=(0, 1, 2))(a, b, h0)
+  ref = jax.jit(jax.grad(loss(full), argnums=(0, 1, 2)))(a, b, h0)
   for x, y in zip(g, ref, strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
 
