@@ -36,7 +36,8 @@ _BENCHMARKS = {
 def _run_benchmark(args: argparse.Namespace) -> int:
   # Imported on use: `bench rl` needs rlax, which the other commands do not.
   module = importlib.import_module(_BENCHMARKS[args.benchmark][0])
-  return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown)
+  options = {"layers": args.layers} if args.benchmark == "layers" else {}
+  return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown, **options)
 
 
 def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
@@ -53,6 +54,12 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
         "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
     )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    if name == "layers":
+      parser.add_argument(
+          "--layers", nargs="+", metavar="LAYER",
+          help="only these layers (LRU, S4D, S5, Mamba); the depth sweep runs when LRU is "
+          "among them; default: every layer of the suite",
+      )
     parser.set_defaults(run=_run_benchmark)
 
 

@@ -51,6 +51,16 @@ def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
     assert name in out
 
 
+def test_bench_layers_runs_only_the_layers_asked_for(capsys):
+  status = cli.main(["bench", "layers", "--shapes", "small", "--repeats", "2", "--layers", "Mamba"])
+  out = capsys.readouterr().out
+  assert status == 0
+  assert "Mamba " in out and "LRU " not in out
+  assert "nn.scan" not in out  # the depth sweep builds LRU models: skipped without LRU
+  assert cli.main(["bench", "layers", "--shapes", "small", "--layers", "GRU"]) == 2
+  assert "unknown layer(s) GRU" in capsys.readouterr().err
+
+
 def test_bench_sequence_parallel_on_one_device_says_how_to_get_more(capsys, monkeypatch):
   first = jax.devices()[:1]
   monkeypatch.setattr(jax, "devices", lambda *args: first)

@@ -193,20 +193,33 @@ def _depth_table(results: list[DepthResult], markdown: bool) -> str:
                               markdown=markdown, labels=2)
 
 
-def run(*, shapes: str, repeats: int, markdown: bool) -> int:
+def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None = None) -> int:
   """Runs the suite `shapes` ("full" or "small") and prints both tables.
 
+  Args:
+    shapes: "full" or "small".
+    repeats: timed samples per cell.
+    markdown: print markdown tables.
+    layers: names of `LAYERS` to run instead of the suite's; the depth sweep (LRU models)
+      runs only when "LRU" is among them.
+
   Returns:
-    0, the exit status.
+    0, the exit status; 2 for an unknown layer name.
   """
   suite = SUITES[shapes]
+  unknown = sorted(set(layers or ()) - set(LAYERS))
+  if unknown:
+    print(f"ssmkit bench layers: error: unknown layer(s) {', '.join(unknown)}; choose from "
+          f"{', '.join(LAYERS)}.", file=sys.stderr)
+    return 2
+  names = layers or suite.only_layers or tuple(LAYERS)
   results = []
-  cells = [(name, shape) for shape in suite.shapes for name in suite.only_layers or LAYERS]
+  cells = [(name, shape) for shape in suite.shapes for name in names]
   for i, (name, shape) in enumerate(cells):
     print(f"[{i + 1}/{len(cells)}] {name} {shape}", file=sys.stderr, flush=True)
     results.extend(_bench_layer(name, shape, suite, repeats, jax.random.key(i)))
   depth = []
-  for blocks in suite.depths:
+  for blocks in suite.depths if "LRU" in names else ():
     print(f"[depth] {blocks}-block LRU model {suite.model_shape}", file=sys.stderr, flush=True)
     depth.extend(_bench_depth(blocks, suite.model_shape, repeats, jax.random.key(blocks)))
   device = jax.devices()[0]
@@ -214,14 +227,15 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
       f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
       f"{repeats} samples, modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
       f"(lax.associative_scan) mode's time over the mode's. Layers: "
-      + ", ".join(f"{n}(d_state={f.keywords['d_state']})" for n, f in LAYERS.items())
+      + ", ".join(f"{n}(d_state={LAYERS[n].keywords['d_state']})" for n in names)
       + "."
   )
   print()
   print(_layer_table(results, markdown))
-  print()
-  print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
-        "over stacked parameters; compile s: tracing, lowering and compiling.")
-  print()
-  print(_depth_table(depth, markdown))
+  if depth:
+    print()
+    print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
+          "over stacked parameters; compile s: tracing, lowering and compiling.")
+    print()
+    print(_depth_table(depth, markdown))
   return 0
