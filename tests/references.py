@@ -137,3 +137,60 @@ def n_step_returns(rewards, discounts, values, n, lambda_, truncated=None, final
         g = r[k] + d[k] * ((1 - lam_k) * v_seg[k - start] + lam_k * g)
       out[t] = g
   return out
+
+
+def vtrace(v_tm1, v_t, r_t, discount_t, rho_tm1, lambda_, clip_rho_threshold=1.0,
+           clip_pg_rho_threshold=1.0, sample_mask=None, truncated=None, final_values=None):
+  """Float64 V-trace of one trajectory from IMPALA's sums; returns (errors, pg, q_estimate).
+
+  v_s - V(x_s) = sum_k (prod_{i<k} w_i) m_k delta_k over the steps k of s's episode segment,
+  with delta_k = min(rho_bar, rho_k) (r_k + d_k v'_{k+1} - V(x_k)), w_i = d_i c_i on learnable
+  steps (c_i = lambda_i min(1, rho_i)) and 1 on the others (rlax's `sample_mask`).
+  """
+  r, d, v, lam, truncated = _float64_trajectory(r_t, discount_t, v_tm1, lambda_, truncated)
+  v_t, rho = np.asarray(v_t, np.float64), np.asarray(rho_tm1, np.float64)
+  mask = np.ones(r.shape, bool) if sample_mask is None else np.asarray(sample_mask)
+  length = r.shape[0]
+  errors, q_estimate = np.empty(length), np.empty(length)
+  for start, end in _segments(length, truncated):
+    v_next = v_t[start:end].copy()
+    if truncated[end - 1]:
+      v_next[-1] = final_values[end - 1]
+    delta = np.minimum(clip_rho_threshold, rho[start:end]) * (
+        r[start:end] + d[start:end] * v_next - v[start:end])
+    for s in range(start, end):
+      weight, total = 1.0, 0.0
+      for k in range(s, end):
+        total += weight * mask[k] * delta[k - start]
+        weight *= d[k] * lam[k] * min(1.0, rho[k]) if mask[k] else 1.0
+      errors[s] = total
+  targets = errors + v
+  for start, end in _segments(length, truncated):
+    for s in range(start, end):
+      if s == end - 1:
+        bootstrap = final_values[s] if truncated[s] else v_t[s]
+      else:
+        bootstrap = lam[s] * targets[s + 1] + (1 - lam[s]) * v[s + 1]
+      q_estimate[s] = r[s] + d[s] * bootstrap
+  pg = np.minimum(clip_pg_rho_threshold, rho) * (q_estimate - v)
+  return errors, pg, q_estimate
+
+
+def retrace(qa_tm1, qa_t, expected_q_t, c_t, r_t, discount_t, truncated=None, final_values=None):
+  """Float64 Retrace errors G_t - qa_tm1_t of one trajectory, one episode segment at a time.
+
+  G_t = r_t + d_t (E_t - c_t qa_t + c_t G_{t+1}) inside a segment; its last step bootstraps
+  from E_t alone, the final value when the segment ends in a truncation.
+  """
+  r, d, expected, _, truncated = _float64_trajectory(r_t, discount_t, expected_q_t, 1.0, truncated)
+  qa_t, c = np.asarray(qa_t, np.float64), np.asarray(c_t, np.float64)
+  length = r.shape[0]
+  out = np.empty(length)
+  for start, end in _segments(length, truncated):
+    last = end - 1
+    g = r[last] + d[last] * (final_values[last] if truncated[last] else expected[last])
+    out[last] = g
+    for t in range(last - 1, start - 1, -1):
+      g = r[t] + d[t] * (expected[t] - c[t] * qa_t[t] + c[t] * g)
+      out[t] = g
+  return out - np.asarray(qa_tm1, np.float64)

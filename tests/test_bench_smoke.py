@@ -37,9 +37,10 @@ def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
   assert status == 0
   for name in ("rlax", "ssmkit auto", "ssmkit sequential", "ssmkit parallel", "ssmkit chunked"):
     assert f" {name} " in out
-  for case in ("GAE (T, B) T=33 B=4", "returns (B, T) T=17 B=3", "returns T=50"):
+  for case in ("GAE (T, B) T=33 B=4", "returns (B, T) T=17 B=3", "returns T=50",
+               "V-trace (T, B) T=21 B=3", "Retrace (B, T) T=19 B=2"):
     assert case in out
-  assert out.count("PASS") + out.count("FAIL") == 3  # one line per case
+  assert out.count("PASS") + out.count("FAIL") == 5  # one line per case
 
 
 def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):

@@ -25,6 +25,17 @@ Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 
 
+class _Names(NamedTuple):
+  """The names error messages give the shared arguments: ssmkit's, or rlax's `r_t`, ..."""
+
+  rewards: str = "rewards"
+  discounts: str = "discounts"
+  values: str = "values"
+
+
+_SSMKIT_NAMES = _Names()
+
+
 class _Trajectory(NamedTuple):
   """Checked inputs cast to the compute dtype; each estimator checks its own `values`."""
 
@@ -45,19 +56,21 @@ def _floating(x: ArrayLike, name: str) -> Array:
   return x
 
 
-def _rewards(rewards: ArrayLike, axis: int) -> tuple[Array, int]:
+def _rewards(rewards: ArrayLike, axis: int, name: str = "rewards") -> tuple[Array, int]:
   """`rewards` checked, and its time axis in [0, ndim)."""
-  rewards = _floating(rewards, "rewards")
+  rewards = _floating(rewards, name)
   if rewards.ndim == 0:
-    raise ValueError("`rewards` must have a time axis, got a scalar.")
+    raise ValueError(f"`{name}` must have a time axis, got a scalar.")
   return rewards, checks.canonical_axis(axis, rewards.ndim)
 
 
-def _scalar_or_per_step(x: ArrayLike, shape: tuple[int, ...], name: str) -> Array:
+def _scalar_or_per_step(
+    x: ArrayLike, shape: tuple[int, ...], name: str, like: str = "rewards"
+) -> Array:
   x = _floating(x, name)
   if x.ndim and x.shape != shape:
     raise ValueError(
-        f"`{name}` must be a scalar or have the shape of `rewards` {shape}, got {x.shape}."
+        f"`{name}` must be a scalar or have the shape of `{like}` {shape}, got {x.shape}."
     )
   return x
 
@@ -79,14 +92,20 @@ def _trajectory(
     truncated: ArrayLike | None,
     final_values: ArrayLike | None,
     axis: int,
+    names: _Names = _SSMKIT_NAMES,
+    extra: tuple[Array, ...] = (),
 ) -> _Trajectory:
-  """Checks the arguments every estimator shares and casts them to one compute dtype."""
-  rewards, axis = _rewards(rewards, axis)
+  """Checks the arguments every estimator shares and casts them to one compute dtype.
+
+  `extra` are the estimator's other float inputs: they take part in the dtype promotion,
+  and the estimator casts them to the compute dtype, `rewards`' dtype in the result.
+  """
+  rewards, axis = _rewards(rewards, axis, names.rewards)
   shape = rewards.shape
-  discounts = _scalar_or_per_step(discounts, shape, "discounts")
-  lambda_ = _scalar_or_per_step(lambda_, shape, "lambda_")
+  discounts = _scalar_or_per_step(discounts, shape, names.discounts, names.rewards)
+  lambda_ = _scalar_or_per_step(lambda_, shape, "lambda_", names.rewards)
   _check_lambda(lambda_)
-  values = _floating(values, "values")
+  values = _floating(values, names.values)
   if (truncated is None) != (final_values is None):
     raise ValueError(
         "`truncated` and `final_values` go together: pass both (the flags and the values of "
@@ -96,11 +115,11 @@ def _trajectory(
   if truncated is not None:
     truncated = jnp.asarray(truncated)
     checks.check_bool(truncated, "truncated")
-    checks.check_shape(truncated, shape, "truncated", "the shape of `rewards`")
+    checks.check_shape(truncated, shape, "truncated", f"the shape of `{names.rewards}`")
     final_values = _floating(final_values, "final_values")
-    checks.check_shape(final_values, shape, "final_values", "the shape of `rewards`")
+    checks.check_shape(final_values, shape, "final_values", f"the shape of `{names.rewards}`")
     parts.append(final_values)
-  out_dtype = jnp.result_type(*parts)
+  out_dtype = jnp.result_type(*parts, *extra)
   dtype = accumulation_dtype(out_dtype)
   if final_values is not None:
     final_values = final_values.astype(dtype)

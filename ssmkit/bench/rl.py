@@ -1,6 +1,8 @@
 """`ssmkit bench rl`: the return estimators of `ssmkit.rl` against jitted rlax.
 
-Each case computes GAE (lambda 0.95) or discounted returns on float32 rollouts (rewards
+Each case computes GAE (lambda 0.95), discounted returns, V-trace errors (lambda 0.95,
+importance ratios exp(N(0, 0.5^2))) or Retrace errors (lambda 0.95, 4 actions, target
+policy softmax(N(0, 1)), behaviour probabilities U(0.1, 1)) on float32 rollouts (rewards
 N(0, 1), discounts U(0.9, 1) with 1% episode ends, values N(0, 1)). rlax handles one
 trajectory, so its batched baseline is `jax.jit(jax.vmap(rlax_fn))` with the vmap axes
 of the layout: a user with time-major `(T, B)` data maps over axis 1, one with batch-major
@@ -28,6 +30,7 @@ Array = jax.Array
 RLAX = "rlax"
 MODES = ("auto", "sequential", "parallel", "chunked")
 _LAMBDA = 0.95
+_ACTIONS = 4
 _RTOL = 1e-4
 
 # Acceptance criteria: rlax's time over ssmkit auto's.
@@ -40,7 +43,7 @@ class Case:
   """One estimator on one rollout layout.
 
   Attributes:
-    estimator: "gae" or "returns" (discounted returns).
+    estimator: "gae", "returns" (discounted returns), "vtrace" or "retrace".
     length: T, the steps per trajectory.
     batch: B, the trajectories, or None for a single one.
     time_major: time on axis 0 `(T, B)`, else on axis 1 `(B, T)`.
@@ -62,7 +65,9 @@ class Case:
     return (self.length, self.batch) if self.time_major else (self.batch, self.length)
 
   def __str__(self) -> str:
-    name = {"gae": "GAE", "returns": "returns"}[self.estimator]
+    name = {"gae": "GAE", "returns": "returns", "vtrace": "V-trace", "retrace": "Retrace"}[
+        self.estimator
+    ]
     if self.batch is None:
       return f"{name} T={self.length}"
     layout = "(T, B)" if self.time_major else "(B, T)"
@@ -73,41 +78,77 @@ SUITES = {
     "full": tuple(
         [Case(e, 2048, 1024, major) for e in ("gae", "returns") for major in (True, False)]
         + [Case("returns", 65536), Case("gae", 65536)]
+        + [Case(e, 2048, 1024, major) for e in ("vtrace", "retrace") for major in (True, False)]
     ),
-    "small": (Case("gae", 33, 4), Case("returns", 17, 3, time_major=False), Case("returns", 50)),
+    "small": (
+        Case("gae", 33, 4),
+        Case("returns", 17, 3, time_major=False),
+        Case("returns", 50),
+        Case("vtrace", 21, 3),
+        Case("retrace", 19, 2, time_major=False),
+    ),
 }
 
 
-def _inputs(case: Case, key: Array) -> tuple[Array, Array, Array]:
-  """Rewards, discounts and values (T + 1 entries on the time axis), float32."""
-  k_r, k_d, k_end, k_v = jax.random.split(key, 4)
+def _inputs(case: Case, key: Array) -> tuple[Array, ...]:
+  """The estimator's array arguments, float32 (integer actions).
+
+  GAE and returns: rewards, discounts and values (T + 1 entries on the time axis).
+  V-trace: v_tm1, v_t, r_t, discount_t, rho_tm1. Retrace: q_tm1, q_t, a_tm1, a_t, r_t,
+  discount_t, pi_t, mu_t (the actions axis last).
+  """
+  k_r, k_d, k_end, k_v, k_rho, k_a, k_pi, k_mu = jax.random.split(key, 8)
   rewards = jax.random.normal(k_r, case.shape)
   ends = jax.random.uniform(k_end, case.shape) < 0.01
   discounts = jnp.where(ends, 0.0, jax.random.uniform(k_d, case.shape, minval=0.9, maxval=1.0))
+  length = case.length
   values_shape = list(case.shape)
   values_shape[case.axis] += 1
-  return rewards, discounts, jax.random.normal(k_v, values_shape)
+  if case.estimator in ("gae", "returns"):
+    return rewards, discounts, jax.random.normal(k_v, values_shape)
+  steps = functools.partial(jax.lax.slice_in_dim, axis=case.axis)
+  if case.estimator == "vtrace":
+    values = jax.random.normal(k_v, values_shape)
+    rho = jnp.exp(0.5 * jax.random.normal(k_rho, case.shape))
+    return steps(values, 0, length), steps(values, 1, length + 1), rewards, discounts, rho
+  q = jax.random.normal(k_v, (*values_shape, _ACTIONS))
+  actions = jax.random.randint(k_a, values_shape, 0, _ACTIONS)
+  pi = jax.nn.softmax(jax.random.normal(k_pi, (*case.shape, _ACTIONS)))
+  mu = jax.random.uniform(k_mu, case.shape, minval=0.1, maxval=1.0)
+  return (
+      steps(q, 0, length), steps(q, 1, length + 1), steps(actions, 0, length),
+      steps(actions, 1, length + 1), rewards, discounts, pi, mu,
+  )
 
 
-def _rlax(case: Case) -> Callable[[Array, Array, Array], Array]:
+def _rlax(case: Case) -> Callable[..., Array]:
   """rlax on one trajectory, vmapped over the batch axis of the layout."""
   if case.estimator == "gae":
     def single(r, d, v):
       return rlax.truncated_generalized_advantage_estimation(r, d, _LAMBDA, v)
-  else:
+  elif case.estimator == "returns":
     def single(r, d, v):
       return rlax.discounted_returns(r, d, v[-1])
+  elif case.estimator == "vtrace":
+    def single(*args):
+      return rlax.vtrace(*args, _LAMBDA)
+  else:
+    def single(*args):
+      return rlax.retrace(*args, _LAMBDA)
   if case.batch is None:
     return single
   axis = 1 if case.time_major else 0
   return jax.vmap(single, in_axes=axis, out_axes=axis)
 
 
-def _ours(case: Case, mode: str) -> Callable[[Array, Array, Array], Array]:
+def _ours(case: Case, mode: str) -> Callable[..., Array]:
   if case.estimator == "gae":
     return lambda r, d, v: rl.generalized_advantage_estimation(
         r, d, v, _LAMBDA, axis=case.axis, mode=mode
     )
+  if case.estimator in ("vtrace", "retrace"):
+    fn = rl.vtrace if case.estimator == "vtrace" else rl.retrace
+    return lambda *args: fn(*args, _LAMBDA, axis=case.axis, mode=mode)
   last = functools.partial(jax.lax.index_in_dim, index=-1, axis=case.axis, keepdims=False)
   return lambda r, d, v: rl.discounted_returns(r, d, last(v), axis=case.axis, mode=mode)
 
