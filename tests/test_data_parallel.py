@@ -6,6 +6,8 @@ parameters at the end. The runs use the tiny mnist1d_lru of tests/test_train.py 
 and dropout (with BatchNorm after the encoder the encoder bias has no gradient, and Adam turns
 rounding noise into steps of the learning rate, so the parameters would not be comparable), and
 a BatchNorm check of two train steps. tests/test_ppo.py runs PPO on 8 devices and resumes it on 1.
+Every run of this module uses the default backend's devices where it has 8, else the CPU's
+(the `host_devices` fixture), so the runs compared with each other share a backend.
 """
 
 import json
@@ -24,6 +26,8 @@ import pytest
 
 from ssmkit import cli, train
 from ssmkit._src.train import loop, metrics, parallel
+
+pytestmark = pytest.mark.usefixtures("host_devices")
 
 STEPS = 6
 TINY = (
@@ -73,7 +77,7 @@ def _assert_same_run(workdir, reference):
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
+def one_device(host_devices, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("one_device")
   _run(workdir, "mesh.data=1")
   return workdir
@@ -87,12 +91,13 @@ def test_run_on_every_device_resumed_on_two_equals_one_device(one_device, tmp_pa
       signal.raise_signal(signal.SIGINT)
 
   assert jax.device_count() == 8
+  platform = jax.devices()[0].platform
   with pytest.raises(train.Interrupted):
     _run(tmp_path, hooks=[send_sigint])
-  assert "on 8 cpu device(s)" in capsys.readouterr().out
+  assert f"on 8 {platform} device(s)" in capsys.readouterr().out
   shutil.rmtree(tmp_path / "checkpoints" / "4")  # resume from step 3, saved by 8 devices
   _run(tmp_path, "mesh.data=2")
-  assert "on 2 cpu device(s), resuming from step 3" in capsys.readouterr().out
+  assert f"on 2 {platform} device(s), resuming from step 3" in capsys.readouterr().out
   _assert_same_run(tmp_path, one_device)
 
 

@@ -4,7 +4,9 @@ Training runs use the shipped ppo_memory_* configs made tiny by the `TINY` overr
 environments x 16 steps, MemoryChain with memory_length 3, a 1-block LRU of width 8, 4 updates).
 A run takes seconds, nearly all of them compiling the update, which a persistent compilation
 cache shares among the runs of one config; runs are shared through module-scoped fixtures. The
-PPO pieces are checked against independent NumPy formulas and loops.
+PPO pieces are checked against independent NumPy formulas and loops. The run split over 8
+devices and the whole run it is compared with use the default backend's devices where it has
+8, else the CPU's (`multi_device.on_host_devices`), so the two share a backend.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+import multi_device
 from ssmkit import cli, train
 from ssmkit._src.train import metrics
 from ssmkit._src.train.ppo import (
@@ -344,7 +347,7 @@ def uninterrupted(tmp_path_factory):
   logger = logging.getLogger("jax")
   logger.addHandler(handler)
   try:
-    with jax.enable_x64(True), jax.log_compiles():
+    with multi_device.on_host_devices(), jax.enable_x64(True), jax.log_compiles():
       status, out = _train_command("ppo_memory_lru", workdir)
   finally:
     logger.removeHandler(handler)
@@ -410,7 +413,7 @@ def interrupted(tmp_path_factory):
     if update == 3:
       signal.raise_signal(signal.SIGINT)
 
-  with jax.enable_x64(True):
+  with multi_device.on_host_devices(), jax.enable_x64(True):
     with pytest.raises(train.Interrupted) as stop:
       train.train_ppo(_config("ppo_memory_lru", "mesh.data=8"), workdir, hooks=[send_sigint])
     after_stop = {

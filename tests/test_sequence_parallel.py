@@ -1,7 +1,8 @@
 """Sequence parallelism: scans with time split over 8 host devices equal the one-device scans.
 
 Every comparison is in float64 to 1e-9 (relative to the largest magnitude): the sharded
-scan only reassociates the same operations, so it agrees to rounding.
+scan only reassociates the same operations, so it agrees to rounding. The tests run on the
+default backend's devices where it has 8, else on the CPU's (the `host_devices` fixture).
 """
 
 import functools
@@ -16,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 import references
 from ssmkit import layers, rl
 from ssmkit.scan import associative_scan, linear_recurrence, linear_recurrence_final_state, operators
+
+pytestmark = pytest.mark.usefixtures("host_devices")
 
 DEVICES = 8
 TOL = 1e-9
