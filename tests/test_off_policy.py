@@ -38,15 +38,20 @@ def _assert_outputs_close(actual, expected, dtype=np.float64):
     _assert_close(a, b, dtype)
 
 
+def _softmax_of_action(logits, actions):
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.take_along_axis(probs / probs.sum(-1, keepdims=True), actions[..., None], -1)[..., 0]
+
+
 # rlax's published test vectors (rlax/_src/vtrace_test.py and value_learning_test.py), two
-# trajectories each, batch-major.
-VT_RHO = rlax.categorical_importance_sampling_ratios(
-    np.array([[[0.4, 0.5], [9.2, 8.8], [0.7, 4.4], [7.9, 1.4]],
-              [[1.0, 0.9], [1.0, -1.0], [-4.3, 8.7], [0.8, 0.3]]], np.float32),
-    np.array([[[8.9, 0.7], [5.0, 1.0], [0.6, 0.1], [-0.9, -0.1]],
-              [[0.3, -5.0], [1.0, -8.0], [0.3, 1.7], [4.7, 3.3]]], np.float32),
-    np.array([[0, 1, 0, 0], [1, 0, 0, 1]], np.int32),
-)
+# trajectories each, batch-major. V-trace's ratios pi(a) / mu(a) come from policy logits.
+VT_ACTIONS = np.array([[0, 1, 0, 0], [1, 0, 0, 1]])
+VT_RHO = (_softmax_of_action(np.array([[[0.4, 0.5], [9.2, 8.8], [0.7, 4.4], [7.9, 1.4]],
+                                       [[1.0, 0.9], [1.0, -1.0], [-4.3, 8.7], [0.8, 0.3]]]),
+                             VT_ACTIONS)
+          / _softmax_of_action(np.array([[[8.9, 0.7], [5.0, 1.0], [0.6, 0.1], [-0.9, -0.1]],
+                                         [[0.3, -5.0], [1.0, -8.0], [0.3, 1.7], [4.7, 3.3]]]),
+                               VT_ACTIONS)).astype(np.float32)
 VT_R_T = np.array([[-1.3, -1.3, 2.3, 42.0], [1.3, 5.3, -3.3, -5.0]], np.float32)
 VT_DISCOUNT_T = np.array([[0.0, 0.89, 0.85, 0.99], [0.88, 1.0, 0.83, 0.95]], np.float32)
 VT_V_TM1 = np.array([[2.1, 1.1, -3.1, 0.0], [3.1, 0.1, -1.1, 7.4]], np.float32)
@@ -282,8 +287,6 @@ CASES = [
     ("chunked", True, np.float32, 97), ("chunked", False, np.float64, 2),
     ("auto", True, np.float64, 37), ("auto", False, np.float32, 13),
 ]
-
-
 CASE_IDS = [f"{m}-{'TB' if t else 'BT'}-{np.dtype(d).name}-T{n}" for m, t, d, n in CASES]
 
 
@@ -474,8 +477,6 @@ def test_empty_trajectories():
   for name, spec in SPECS.items():
     arrays = _arrays(spec, np.random.default_rng(0), 1, batch=2)
     empty = [x[:0] if np.ndim(x) >= 2 else x for x in arrays]
-    if name == "retrace_continuous":
-      empty[-1] = 0.9
     for leaf in _outputs(spec.call(spec.ours, empty, True)):
       assert leaf.shape == (0, 2), name
 
