@@ -188,8 +188,8 @@ def vtrace(
     rho_tm1: `r_t`'s shape: importance ratios pi(a_t | x_t) / mu(a_t | x_t).
     lambda_: scalar or `r_t`'s shape, in [0, 1].
     clip_rho_threshold: rho_bar, the clip of the ratios weighting the TD errors.
-    stop_target_gradients: gradients reach `v_tm1` only through the -V(x_s) term: the
-      error is stop_gradient(v_s) - V(x_s).
+    stop_target_gradients: the error is stop_gradient(v_s) - V(x_s), so gradients reach
+      `v_tm1` alone, through its -V(x_s) term (as rlax).
     sample_mask: boolean, `r_t`'s shape: False at steps that are not learnable, which pass
       the next step's error on unchanged (as rlax).
     axis: time axis of every per-step argument.
