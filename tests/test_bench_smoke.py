@@ -23,7 +23,8 @@ def test_bench_scan_small_prints_every_method_shape_criterion_and_the_split(caps
     assert f" {name} " in out
   for shape in ("T=64 D=2", "B=2 T=16 D=2"):
     assert shape in out
-  assert out.count("PASS") + out.count("FAIL") == 5  # one line per acceptance criterion
+  # Microsecond timings judge nothing: the criteria are left to the full suite.
+  assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
   # The sequence-parallel table follows, the split checked against one device.
   split = out[out.index("Sequence parallelism:"):]
   for text in (" one device ", f" sequence-parallel x{len(jax.devices())} ", "T=64 D=2",
@@ -39,7 +40,7 @@ def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
     assert f" {name} " in out
   for case in ("GAE (T, B) T=33 B=4", "returns (B, T) T=17 B=3", "returns T=50"):
     assert case in out
-  assert out.count("PASS") + out.count("FAIL") == 3  # one line per case
+  assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
 
 
 def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
