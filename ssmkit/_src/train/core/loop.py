@@ -1,238 +1,229 @@
-"""`train_and_evaluate` and `evaluate`: a training run in a workdir that survives interruption.
+"""The rhythm every training run keeps: log, evaluate, checkpoint, stop; and steps run on the device.
 
-A workdir holds `config.yaml` (the resolved config), `checkpoints/`, `metrics.jsonl`,
-`summary.json` and `curves.png`. Running again in the same workdir resumes from the latest
-checkpoint: the train state and the data order's position are restored and the dropout keys are
-derived from the step, so the resumed run continues exactly as an uninterrupted one would.
+A run of `total` steps goes in spans: a span ends at the first step that logs (every
+`log_every`), evaluates (every `eval_every`), saves a checkpoint (every `checkpoint_every`) or
+is the last. The steps of a span run in one jitted call (`run_steps`, a loop on the device), so
+the host neither feeds nor waits for single steps; metrics stay on the device until a log fetches
+them. After each span `Loop.end` records what the task computed, shows progress, calls the hooks,
+saves a checkpoint when one is due, and stops the run, checkpoint saved, after SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax import lax
 
-from ssmkit import data
-from ssmkit._src.train import metrics, parallel
-from ssmkit._src.train.batches import TrainBatches, eval_batches, split_arrays
-from ssmkit._src.train.checkpoint import Checkpoints
-from ssmkit._src.train.config import Config, DataConfig, to_dict, validate
-from ssmkit._src.train.errors import ConfigError, Interrupted
-from ssmkit._src.train.interrupt import stop_requests
-from ssmkit._src.train.model import build_model, count_parameters
-from ssmkit._src.train.optim import learning_rate_schedule, make_optimizer
-from ssmkit._src.train.steps import TrainState, create_train_state, eval_step, mean_metrics, train_step
-from ssmkit._src.train.workdir import (
-  CURVES_FILE,
-  METRICS_FILE,
-  SUMMARY_FILE,
-  restore_latest,
-  start_or_resume,
-)
+from ssmkit._src.train.core import metrics
+from ssmkit._src.train.core.errors import Interrupted
+from ssmkit._src.train.core.interrupt import stop_requests
+from ssmkit._src.train.core.workdir import Workdir
 
 
-@dataclasses.dataclass
-class _Run:
-  """What a config builds: the data, the devices, the initial state and the length of the run."""
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """Steps `start + 1` to `end` of a run, run in one call, and what is due after the last of them.
 
-  dataset: data.SequenceDataset
-  mesh: Mesh
-  train_batches: TrainBatches
-  eval_batches: list[dict[str, np.ndarray]]
-  total_steps: int
-  state: TrainState
-  dropout_key: jax.Array
+  Attributes:
+    start: steps done before the span.
+    end: steps done after it.
+    log: train metrics are due.
+    evaluate: an evaluation is due.
+    checkpoint: a checkpoint is due.
+    last: `end` is the run's last step.
+  """
 
+  start: int
+  end: int
+  log: bool
+  evaluate: bool
+  checkpoint: bool
+  last: bool
 
-def _load_dataset(config: DataConfig) -> data.SequenceDataset:
-  try:
-    return data.load(config.name, **config.kwargs)
-  except (TypeError, ValueError) as error:
-    raise ConfigError(
-        f"cannot load `data.name`={config.name!r} with `data.kwargs`={config.kwargs}: {error}"
-    ) from error
-
-
-def _check_pooling(config: Config, dataset: data.SequenceDataset) -> None:
-  pooling = config.model.pooling
-  if dataset.per_step and pooling != "none":
-    raise ConfigError(
-        f"`model.pooling` must be 'none' for {config.data.name!r}, which has one target per step; "
-        f"got {pooling!r}."
-    )
-  if not dataset.per_step and pooling == "none":
-    raise ConfigError(
-        f"`model.pooling` must be 'mean' or 'last' for {config.data.name!r}, which has one label per "
-        "sequence; got 'none'."
-    )
+  @property
+  def length(self) -> int:
+    """The number of steps in the span."""
+    return self.end - self.start
 
 
-def _setup(config: Config) -> _Run:
-  dataset = _load_dataset(config.data)
-  _check_pooling(config, dataset)
-  model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
-  arrays = split_arrays(dataset, "train")
-  train_batches = TrainBatches(arrays, config.data.batch_size, config.train.seed)
-  mesh = parallel.data_mesh(config.mesh, config.data.batch_size, "data.batch_size")
-  total_steps = config.train.steps or config.train.epochs * train_batches.steps_per_epoch
-  tx = make_optimizer(config.optimizer, config.model.layer, total_steps)
-  params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
-  example = {key: array[:1] for key, array in arrays.items()}
-  state = create_train_state(model, tx, example, params_key, config.model.mode)
-  return _Run(
-      dataset=dataset,
-      mesh=mesh,
-      train_batches=train_batches,
-      eval_batches=eval_batches(split_arrays(dataset, "test"), config.data.batch_size),
-      total_steps=total_steps,
-      state=parallel.place(state, parallel.replicated(mesh)),
-      dropout_key=parallel.place(dropout_key, parallel.replicated(mesh)),
-  )
+@dataclasses.dataclass(frozen=True)
+class Rhythm:
+  """When a run of `total` steps logs, evaluates and saves.
+
+  Attributes:
+    total: the run's number of steps.
+    log_every: log train metrics every this many steps, and after the last.
+    eval_every: evaluate every this many steps, and after the last; 0: after the last only.
+    checkpoint_every: save a checkpoint every this many steps, and after the last.
+  """
+
+  total: int
+  log_every: int
+  eval_every: int
+  checkpoint_every: int
+
+  @property
+  def max_span(self) -> int:
+    """The length of the longest span: a span never runs past a log."""
+    return min(self.log_every, self.total)
+
+  def span(self, start: int) -> Span:
+    """The span after step `start`: up to the next step at which something is due."""
+    every = [self.log_every, self.checkpoint_every] + ([self.eval_every] if self.eval_every else [])
+    end = min([self.total] + [(start // n + 1) * n for n in every])
+    last = end == self.total
+    due = lambda n: (bool(n) and end % n == 0) or last
+    return Span(start, end, log=due(self.log_every), evaluate=due(self.eval_every),
+                checkpoint=due(self.checkpoint_every), last=last)
 
 
-def _jit_steps(mesh: Mesh) -> tuple[Callable[..., Any], Callable[..., Any]]:
-  """`train_step` and `eval_step` compiled for batches split over `mesh`, their outputs replicated."""
-  replicated = parallel.replicated(mesh)
-  return jax.jit(train_step, out_shardings=replicated), jax.jit(eval_step, out_shardings=replicated)
+def run_steps(step: Callable[[Any, jax.Array], tuple[Any, Any]], state: Any, count: jax.Array,
+              size: int) -> tuple[Any, Any]:
+  """`count` steps `state, out_i = step(state, i)` in one `lax.fori_loop`, under `jax.jit`.
 
-
-def _evaluate(step_fn: Callable[..., Any], run: _Run, state: TrainState) -> dict[str, float]:
-  split = parallel.split(run.mesh)
-  sums = jax.device_get([step_fn(state, parallel.place(batch, split)) for batch in run.eval_batches])
-  result = mean_metrics({key: sum(s[key] for s in sums) for key in sums[0]})
-  return {"test_loss": result["loss"], "test_accuracy": result["accuracy"]}
-
-
-def _line(step: int, values: dict[str, float]) -> str:
-  return f"step {step}: " + " ".join(f"{key}={value:.4f}" for key, value in values.items())
-
-
-def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
-                       hooks: Sequence[Callable[[int], None]] = ()) -> dict[str, Any]:
-  """Trains the model of `config` in `workdir` and evaluates it on the whole test split.
-
-  Logs train metrics every `train.log_every` steps and test metrics every `train.eval_every`
-  steps and after the last one to `metrics.jsonl`; saves a checkpoint every
-  `train.checkpoint_every` steps, after the last one and on SIGINT/SIGTERM (then raises
-  `Interrupted`). A workdir with checkpoints resumes from the latest one, dropping the metrics
-  logged after it. At the end writes `summary.json` and `curves.png`.
+  Each step computes what it would as its own jitted call (the same operations in the same
+  order), so a run in spans gives the results of a run step by step.
 
   Args:
-    config: the run's config, e.g. from `load_config`.
-    workdir: the run's directory; created if needed.
-    hooks: functions called with the step number after every train step.
+    step: one step; `i` (int32) is the step's index in the span, e.g. to pick its batch.
+    state: the state before the first step.
+    count: int32 number of steps, at most `size`; traced, so one compilation serves every span.
+    size: the longest span, the number of rows of the outputs.
 
   Returns:
-    The summary: "test_accuracy", "test_loss", "steps", "wall_seconds" (over all sessions of the
-    run), "params" (the number of parameters) and "config" (the config as a dict).
-
-  Raises:
-    ConfigError: for a config with values out of range or that does not fit the data, or a
-      workdir holding another run.
-    Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
+    The state after `count` steps, and the outputs stacked on a leading axis of `size` rows, of
+    which the first `count` are the steps' and the others zero.
   """
-  validate(config)
-  return start_or_resume(
-      config, workdir, sections=("data", "model"), setup=_setup,
-      train=lambda workdir, run, state, checkpoints, wall_seconds: _train(
-          config, workdir, run, state, checkpoints, hooks, wall_seconds),
-      restore=lambda run, progress: run.train_batches.restore(progress["data"]),
-  )
+  shapes = jax.eval_shape(step, state, jnp.zeros((), jnp.int32))[1]
+  outputs = jax.tree.map(lambda s: jnp.zeros((size, *s.shape), s.dtype), shapes)
+
+  def body(i: jax.Array, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+    state, outputs = carry
+    state, out = step(state, i)
+    return state, jax.tree.map(lambda rows, row: rows.at[i].set(row), outputs, out)
+
+  return lax.fori_loop(0, count, body, (state, outputs))
 
 
-def _train(config: Config, workdir: pathlib.Path, run: _Run, state: TrainState, checkpoints: Checkpoints,
-           hooks: Sequence[Callable[[int], None]], wall_seconds: Callable[[], float]) -> dict[str, Any]:
-  """The train loop from `state` to `run.total_steps`, then the summary."""
-  schedule = learning_rate_schedule(config.optimizer, config.optimizer.learning_rate, run.total_steps)
-  metrics_path = workdir / METRICS_FILE
-  step = int(state.step)
-  metrics.truncate(metrics_path, step)
-  num_params = count_parameters(state.params)
-  batch_size = config.data.batch_size
-  bar, write = metrics.console(run.total_steps, step, "train", "step")
-  write(
-      f"{config.model.layer} model with {num_params:,} parameters, {run.total_steps} steps of "
-      f"{batch_size} sequences ({run.total_steps / run.train_batches.steps_per_epoch:.1f} epochs) "
-      f"on {run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
-      + (f", resuming from step {step}" if step else "")
-  )
-  train_step_fn, eval_step_fn = _jit_steps(run.mesh)
-  split = parallel.split(run.mesh)
-  test = None
-  pending, log_step, log_time = [], step, time.perf_counter()
-  with stop_requests() as stop, bar:
-    while step < run.total_steps:
-      batch = parallel.place(next(run.train_batches), split)
-      state, sums = train_step_fn(state, batch, run.dropout_key)
-      step += 1
-      pending.append(sums)
-      bar.update()
-      last = step == run.total_steps
-      record: dict[str, Any] = {}
-      if step % config.train.log_every == 0 or last:
-        pending = jax.device_get(pending)  # Waits for the steps, so `now` is when they ended.
-        now = time.perf_counter()
-        train = mean_metrics({key: sum(s[key] for s in pending) for key in pending[0]})
-        record.update(
-            loss=train["loss"],
-            accuracy=train["accuracy"],
-            learning_rate=float(schedule(step - 1)),
-            examples_per_second=(step - log_step) * batch_size / (now - log_time),
-        )
-        bar.set_postfix(loss=f"{train['loss']:.4f}", accuracy=f"{train['accuracy']:.4f}")
-        if bar.disable:
-          write(_line(step, train))
-        pending, log_step, log_time = [], step, now
-      if (config.train.eval_every and step % config.train.eval_every == 0) or last:
-        test = _evaluate(eval_step_fn, run, state)
-        record.update(test)
-        write(_line(step, test))
-        log_time = time.perf_counter()  # Throughput counts training only.
-      if record:
-        metrics.append(metrics_path, {"step": step, **record})
-      for hook in hooks:
-        hook(step)
-      stopping = bool(stop) and not last
-      if step % config.train.checkpoint_every == 0 or last or stopping:
-        progress = {"data": run.train_batches.state(), "wall_seconds": wall_seconds()}
-        checkpoints.save(step, state, progress)
-      if stopping:
-        raise Interrupted(stop.signal_name, step, str(workdir))
-  if test is None:  # The run had already reached its last step.
-    test = _evaluate(eval_step_fn, run, state)
-    write(_line(step, test))
-  summary = {
-      **test,
-      "steps": step,
-      "wall_seconds": wall_seconds(),
-      "params": num_params,
-      "config": to_dict(config),
-  }
-  metrics.write_summary(workdir / SUMMARY_FILE, summary)
-  metrics.plot_curves(metrics.read(metrics_path), workdir / CURVES_FILE)
-  return summary
+def _line(unit: str, step: int, values: dict[str, Any]) -> str:
+  shown = (f"{key}={value:.4f}" for key, value in values.items() if isinstance(value, float))
+  return f"{unit} {step}: " + " ".join(shown)
 
 
-def evaluate(workdir: str | pathlib.Path) -> dict[str, Any]:
-  """Evaluates the latest checkpoint of a `train_and_evaluate` workdir on the whole test split.
+class Loop:
+  """The run in spans from the workdir's latest checkpoint: progress, records, hooks, saves, stops.
 
-  The model and data come from the workdir's `config.yaml`.
+  Use as a context manager, which shows a progress bar and turns SIGINT and SIGTERM into a
+  request to stop after the current span:
+
+      with Loop(workdir, rhythm, ...) as loop:
+        for span in loop.spans():
+          state, outputs = ...  # the span's steps in one call
+          loop.keep(outputs, span.length)
+          logged = ... if span.log else None  # from `loop.fetch()`
+          evaluated = ... if span.evaluate else None
+          loop.end(span, state, progress, logged, evaluated)
 
   Args:
-    workdir: the run's directory.
-
-  Returns:
-    {"step": the checkpoint's step, "test_loss", "test_accuracy", "test_examples"}.
-
-  Raises:
-    FileNotFoundError: if `workdir` has no config or no checkpoint.
+    workdir: the opened workdir; the run starts at its `start` step.
+    rhythm: when the run logs, evaluates and saves.
+    header: a line printed first, e.g. the model and the devices.
+    unit: what a step is called in printed lines ("step", "update").
+    shown: the keys of logged metrics shown beside the progress bar (and printed when the
+      output is not a terminal).
+    hooks: functions called with the step reached after every span.
   """
-  step, run, state = restore_latest(workdir, Config, _setup)
-  test = _evaluate(_jit_steps(run.mesh)[1], run, state)
-  return {"step": step, **test, "test_examples": run.dataset.num_test}
+
+  def __init__(self, workdir: Workdir, rhythm: Rhythm, *, header: str, unit: str, shown: Sequence[str],
+               hooks: Sequence[Callable[[int], None]] = ()):
+    self._workdir, self._rhythm = workdir, rhythm
+    self._unit, self._shown, self._hooks = unit, tuple(shown), tuple(hooks)
+    start = workdir.start
+    self._header = header + (f", resuming from {unit} {start}" if start else "")
+    self._stack = contextlib.ExitStack()
+    self._clock = time.perf_counter()
+    self._kept: list[tuple[dict[str, jax.Array], int]] = []
+
+  def __enter__(self) -> Loop:
+    self._stop = self._stack.enter_context(stop_requests())
+    total, start = self._rhythm.total, self._workdir.start
+    self._bar, self._write = metrics.console(total, start, "train", self._unit)
+    self._stack.enter_context(self._bar)
+    self._write(self._header)
+    self._clock = time.perf_counter()
+    return self
+
+  def __exit__(self, *exc_info: object) -> None:
+    self._stack.close()
+
+  def spans(self) -> Iterator[Span]:
+    """The spans from the workdir's `start` to the last step."""
+    step = self._workdir.start
+    while step < self._rhythm.total:
+      span = self._rhythm.span(step)
+      yield span
+      step = span.end
+
+  def keep(self, outputs: dict[str, jax.Array], count: int) -> None:
+    """Keeps the per-step outputs of a span (`run_steps`'s, `count` rows) until `fetch`."""
+    self._kept.append((outputs, count))
+
+  def fetch(self) -> tuple[dict[str, np.ndarray], int, float]:
+    """The outputs kept since the previous fetch, on the host: what a log reports.
+
+    Returns:
+      `(rows, steps, seconds)`: every output stacked over the `steps` steps since the previous
+      fetch, in order, and the seconds they took (to the end of the last, evaluations excluded).
+    """
+    kept = jax.device_get(self._kept)  # Waits for the steps, so `now` is when they ended.
+    now = time.perf_counter()
+    seconds, self._clock, self._kept = now - self._clock, now, []
+    rows = {key: np.concatenate([outputs[key][:count] for outputs, count in kept]) for key in kept[0][0]}
+    return rows, sum(count for _, count in kept), seconds
+
+  def end(self, span: Span, state: Any, progress: dict[str, Any], logged: dict[str, Any] | None = None,
+          evaluated: dict[str, Any] | None = None) -> None:
+    """Closes a span: records, progress, hooks, a checkpoint when due, a stop when asked for.
+
+    Args:
+      span: the span whose steps have run.
+      state: the run's state after them, which a checkpoint saves.
+      progress: the rest of the run's position (JSON), saved beside the state.
+      logged: the train metrics, if the span logged.
+      evaluated: the evaluation's metrics, if the span evaluated; the time it took does not
+        count towards the seconds of the next `fetch`.
+
+    Raises:
+      Interrupted: after saving a checkpoint, if SIGINT or SIGTERM arrived and `span` is not
+        the last.
+    """
+    self._bar.update(span.length)
+    if logged:
+      shown = {key: logged[key] for key in self._shown if logged.get(key) is not None}
+      self._bar.set_postfix({key: f"{value:.4f}" for key, value in shown.items()})
+      if self._bar.disable:
+        self._write(_line(self._unit, span.end, shown))
+    if evaluated:
+      self.report(span.end, evaluated)
+      self._clock = time.perf_counter()
+    record = {**(logged or {}), **(evaluated or {})}
+    if record:
+      metrics.append(self._workdir.metrics, {"step": span.end, **record})
+    for hook in self._hooks:
+      hook(span.end)
+    stopping = bool(self._stop) and not span.last
+    if span.checkpoint or stopping:
+      self._workdir.save(span.end, state, progress)
+    if stopping:
+      raise Interrupted(self._stop.signal_name, span.end, str(self._workdir.path))
+
+  def report(self, step: int, values: dict[str, Any]) -> None:
+    """Prints the float `values` reached at `step` above the progress bar (on process 0)."""
+    self._write(_line(self._unit, step, values))

@@ -1,23 +1,16 @@
-"""Recurrent PPO on vectorised gymnax environments: rollouts, advantages, the clipped loss, the update.
+"""The PPO update: the clipped loss, and one update (a rollout, then epochs of minibatch steps).
 
-The policy is a `SequenceModel` read as an actor-critic (`Agent`). A rollout runs it one step at a
-time (`SequenceModel.step`) in a `lax.scan` over time, the environments `vmap`ped. Episodes run on
-across rollouts, so a rollout starts from the recurrent state the previous one ended with; it keeps
-that state, and the update re-runs the policy over the whole rollout, `(B, T, F)`, from it, with the
-episode starts as `reset` flags. Before the first gradient step this reproduces the rollout's
-logits and values, so the probability ratios start at exactly 1.
+The update re-runs the policy over each whole rollout, `(B, T, F)`, from the recurrent state the
+rollout started with, the episode starts as `reset` flags. Before the first gradient step this
+reproduces the rollout's logits and values, so the probability ratios start at exactly 1.
 
 References:
   Schulman et al., "Proximal Policy Optimization Algorithms", 2017.
-  Schulman et al., "High-Dimensional Continuous Control Using Generalized Advantage
-  Estimation", ICLR 2016.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,243 +18,41 @@ import optax
 from flax import struct
 from jax import lax
 
-from ssmkit import layers, rl
-from ssmkit._src.train.steps import TrainState
-
-if TYPE_CHECKING:
-  from ssmkit._src.train.ppo_config import PPOHyperparameters
+from ssmkit._src.train.core.loop import run_steps
+from ssmkit._src.train.core.model import TrainState
+from ssmkit._src.train.ppo.agent import Agent
+from ssmkit._src.train.ppo.config import PPOHyperparameters
+from ssmkit._src.train.ppo.env import VecEnv
+from ssmkit._src.train.ppo.rollout import (
+  ActorState,
+  Rollout,
+  advantages_and_targets,
+  collect_rollout,
+  init_actor,
+)
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class Agent:
-  """A `SequenceModel` with `num_actions + 1` per-step outputs read as policy logits and a value.
-
-  Attributes:
-    model: a `SequenceModel` with pooling "none" and `num_outputs = num_actions + 1`: outputs
-      `[..., :num_actions]` are the logits of a categorical policy, `[..., num_actions]` the value.
-    num_actions: number of discrete actions A.
-    recurrent: carry the state across steps; False resets it before every step, which makes the
-      same network a feed-forward function of the current observation.
-    mode: scan mode of the SSM layers over whole sequences.
-  """
-
-  model: layers.SequenceModel
-  num_actions: int
-  recurrent: bool = True
-  mode: str = "auto"
-
-  def initialize_state(self, num_envs: int, obs_size: int) -> Any:
-    """The zero recurrent state of `num_envs` environments with observations of `obs_size`."""
-    return self.model.initialize_state((num_envs, obs_size))
-
-  @property
-  def state_batch_axis(self) -> int:
-    """The environment axis of every leaf of the recurrent state (after the block axis, if any)."""
-    return 1 if self.model.scan_blocks else 0
-
-  def _split(self, outputs: Array) -> tuple[Array, Array]:
-    outputs = outputs.astype(jnp.float32)
-    return outputs[..., : self.num_actions], outputs[..., self.num_actions]
-
-  def step(self, params: Any, state: Any, obs_t: Array, first_t: Array) -> tuple[Any, Array, Array]:
-    """One step of every environment.
-
-    Args:
-      params: the model's "params".
-      state: the recurrent state before this step, as `initialize_state` makes it.
-      obs_t: `(B, F)` float32 observations.
-      first_t: `(B,)` bool, True where `obs_t` starts an episode (the state is cleared first).
-
-    Returns:
-      `(state, logits, value)`: the state after the step, `(B, A)` and `(B,)` float32.
-    """
-    reset = first_t if self.recurrent else jnp.ones_like(first_t)
-    state, outputs = self.model.apply({"params": params}, state, obs_t, reset, method="step")
-    return (state, *self._split(outputs))
-
-  def sequence(self, params: Any, initial_state: Any, obs: Array, first: Array) -> tuple[Array, Array]:
-    """The policy over whole sequences, as `step` would compute them one after the other.
-
-    Args:
-      params: the model's "params".
-      initial_state: the recurrent state before the first step, `initialize_state`'s structure.
-      obs: `(B, T, F)` float32 observations.
-      first: `(B, T)` bool episode starts.
-
-    Returns:
-      `(logits, values)`, `(B, T, A)` and `(B, T)` float32.
-    """
-    reset = first if self.recurrent else jnp.ones_like(first)
-    outputs = self.model.apply(
-        {"params": params}, obs, None, reset, initial_state=initial_state, mode=self.mode
-    )
-    return self._split(outputs)
-
-
-class EnvStep(NamedTuple):
-  """What one step of `VecEnv` returns, every field with a leading `(B,)` axis."""
-
-  obs: Array  # (B, F) float32 next observations; of the next episode where one ended
-  state: Any  # the environments' states
-  reward: Array  # (B,) float32
-  terminated: Array  # (B,) bool: the episode ended
-  truncated: Array  # (B,) bool: the episode was cut by the time limit
-  final_obs: Array  # (B, F) float32 last observation of the episode that ended (else `obs`)
-
-
-@dataclasses.dataclass(frozen=True)
-class VecEnv:
-  """`num_envs` copies of a gymnax environment stepped together, observations as float32 vectors.
-
-  gymnax environments reset themselves at the end of an episode: the step that ends one
-  returns the first observation of the next.
-
-  Attributes:
-    env: a gymnax environment with a discrete action space.
-    params: its `EnvParams`.
-    num_envs: number of copies B.
-  """
-
-  env: Any
-  params: Any
-  num_envs: int
-
-  @property
-  def obs_size(self) -> int:
-    """F, the size of a flattened observation."""
-    return math.prod(self.env.observation_space(self.params).shape)
-
-  @property
-  def num_actions(self) -> int:
-    """A, the number of discrete actions."""
-    return int(self.env.action_space(self.params).n)
-
-  def _flat(self, obs: Array) -> Array:
-    return obs.reshape(self.num_envs, -1).astype(jnp.float32)
-
-  def reset(self, key: Array) -> tuple[Array, Any]:
-    """`(obs, state)`: first observations `(B, F)` and states of fresh episodes."""
-    obs, state = jax.vmap(self.env.reset, in_axes=(0, None))(jax.random.split(key, self.num_envs),
-                                                             self.params)
-    return self._flat(obs), state
-
-  def step(self, key: Array, state: Any, action: Array) -> EnvStep:
-    """Applies `(B,)` int actions; an environment whose episode ends starts the next one."""
-    keys = jax.random.split(key, self.num_envs)
-    obs, state, reward, terminated, truncated, info = jax.vmap(
-        self.env.step, in_axes=(0, 0, 0, None))(keys, state, action, self.params)
-    return EnvStep(
-        self._flat(obs), state, reward.astype(jnp.float32), terminated.astype(bool),
-        truncated.astype(bool), self._flat(info["final_observation"]),
-    )
-
-
-class ActorState(NamedTuple):
-  """Where the environments and the policy stand between rollouts."""
-
-  env_state: Any  # the environments' states
-  obs: Array  # (B, F) float32 observations to act on next
-  first: Array  # (B,) bool: `obs` starts an episode
-  policy_state: Any  # the recurrent state before `obs`
-  episode_return: Array  # (B,) float32 rewards so far of the running episodes
-
-
-class Rollout(NamedTuple):
-  """`T` steps of `B` environments; per-step fields are `(T, B, ...)`, time first."""
-
-  obs: Array  # (T, B, F) float32 observations acted on
-  first: Array  # (T, B) bool: obs[t] starts an episode
-  action: Array  # (T, B) int32
-  logits: Array  # (T, B, A) float32 policy logits of the acting parameters
-  value: Array  # (T, B) float32 values v(s_t)
-  reward: Array  # (T, B) float32 reward after action[t]
-  terminated: Array  # (T, B) bool: the episode ended after action[t]
-  truncated: Array  # (T, B) bool: the episode was cut by the time limit after action[t]
-  final_value: Array  # (T, B) float32 value of the final observation where truncated, else 0
-  episode_return: Array  # (T, B) float32 return of the episode ending after step t, else 0
-  last_value: Array  # (B,) float32 value of the observation after the last step, v(s_T)
-  initial_state: Any  # the recurrent state before step 0
-
-
-def init_actor(agent: Agent, env: VecEnv, key: Array) -> ActorState:
-  """Fresh episodes in every environment and a zero recurrent state."""
-  obs, env_state = env.reset(key)
-  return ActorState(
-      env_state=env_state,
-      obs=obs,
-      first=jnp.ones((env.num_envs,), bool),
-      policy_state=agent.initialize_state(env.num_envs, env.obs_size),
-      episode_return=jnp.zeros((env.num_envs,), jnp.float32),
-  )
-
-
-def collect_rollout(agent: Agent, env: VecEnv, params: Any, actor: ActorState, key: Array,
-                    num_steps: int, *, greedy: bool = False) -> tuple[ActorState, Rollout]:
-  """Runs the policy `num_steps` steps in every environment (a `lax.scan` over time).
+def make_optimizer(hp: PPOHyperparameters, updates: int
+                       ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Adam (eps 1e-5) after global-norm clipping, with a constant or linearly annealed learning rate.
 
   Args:
-    agent: the policy.
-    env: the environments.
-    params: the policy's parameters.
-    actor: where the environments and the policy stand.
-    key: PRNG key of the actions and the environments.
-    num_steps: rollout length T.
-    greedy: take the most probable action instead of sampling one.
+    hp: the `ppo` section of the config.
+    updates: the number of updates of the run, each `hp.epochs * hp.minibatches` optimizer steps.
 
   Returns:
-    `(actor, rollout)`: where they stand after the last step, and the `(T, B)` rollout.
+    `(optimizer, schedule)`, the schedule a function of the optimizer step.
   """
-  no_reset = jnp.zeros((env.num_envs,), bool)
-
-  def body(actor: ActorState, key: Array) -> tuple[ActorState, tuple[Array, ...]]:
-    key_action, key_env = jax.random.split(key)
-    state, logits, value = agent.step(params, actor.policy_state, actor.obs, actor.first)
-    if greedy:
-      action = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-      action = jax.random.categorical(key_action, logits).astype(jnp.int32)
-    out = env.step(key_env, actor.env_state, action)
-    # A truncated episode bootstraps from its final observation, seen from the state it reached.
-    final_value = lax.cond(
-        jnp.any(out.truncated),
-        lambda: jnp.where(out.truncated, agent.step(params, state, out.final_obs, no_reset)[2], 0.0),
-        lambda: jnp.zeros_like(value),
-    )
-    done = out.terminated | out.truncated
-    episode_return = actor.episode_return + out.reward
-    step = (actor.obs, actor.first, action, logits, value, out.reward, out.terminated, out.truncated,
-            final_value, jnp.where(done, episode_return, 0.0))
-    actor = ActorState(out.state, out.obs, done, state, jnp.where(done, 0.0, episode_return))
-    return actor, step
-
-  end, steps = lax.scan(body, actor, jax.random.split(key, num_steps))
-  _, _, last_value = agent.step(params, end.policy_state, end.obs, end.first)
-  return end, Rollout(*steps, last_value=last_value, initial_state=actor.policy_state)
-
-
-def advantages_and_targets(rollout: Rollout, gamma: float, gae_lambda: float) -> tuple[Array, Array]:
-  """GAE advantages and value targets of a rollout whose episodes end and begin anywhere in it.
-
-  Discounts are `gamma * (1 - terminated)`; a truncated episode bootstraps from its final
-  observation's value (`ssmkit.rl.generalized_advantage_estimation`'s `truncated=`).
-
-  Args:
-    rollout: `(T, B)` rollout.
-    gamma: discount per step.
-    gae_lambda: GAE lambda.
-
-  Returns:
-    `(advantages, targets)`, both `(T, B)` float32; targets = advantages + values.
-  """
-  values = jnp.concatenate([rollout.value, rollout.last_value[None]], axis=0)
-  discounts = gamma * (1.0 - rollout.terminated.astype(jnp.float32))
-  advantages = rl.generalized_advantage_estimation(
-      rollout.reward, discounts, values, gae_lambda, axis=0,
-      truncated=rollout.truncated, final_values=rollout.final_value,
-  )
-  return advantages, advantages + rollout.value
+  if hp.anneal:
+    schedule = optax.linear_schedule(hp.learning_rate, 0.0, updates * hp.epochs * hp.minibatches)
+  else:
+    schedule = optax.constant_schedule(hp.learning_rate)
+  tx = optax.adam(schedule, eps=1e-5)
+  if hp.grad_clip is not None:
+    tx = optax.chain(optax.clip_by_global_norm(hp.grad_clip), tx)
+  return tx, schedule
 
 
 def ppo_loss(logits: Array, values: Array, action: Array, old_log_prob: Array, old_value: Array,
@@ -446,23 +237,20 @@ def ppo_update(agent: Agent, env: VecEnv, hp: PPOHyperparameters, state: PPOStat
   return new_state, metrics
 
 
-def evaluate_policy(agent: Agent, env: VecEnv, params: Any, key: Array, num_steps: int,
-                    greedy: bool = True) -> tuple[Array, Array]:
-  """The summed returns and the number of episodes completed in `num_steps` steps of fresh environments.
+def ppo_updates(agent: Agent, env: VecEnv, hp: PPOHyperparameters, state: PPOState, count: Array,
+                size: int) -> tuple[PPOState, dict[str, Array]]:
+  """`count` PPO updates in one call, each as `ppo_update` computes it.
 
   Args:
     agent: the policy.
-    env: the environments (all start a fresh episode).
-    params: the policy's parameters.
-    key: PRNG key of the environments and (unless `greedy`) the actions.
-    num_steps: steps of every environment.
-    greedy: take the most probable action instead of sampling one.
+    env: the environments.
+    hp: the `ppo` section of the config.
+    state: the run's state before the first update.
+    count: int32 number of updates, at most `size`.
+    size: the longest span of updates, the rows of the returned metrics.
 
   Returns:
-    `(return_sum, episodes)`, float32 scalars.
+    The state after `count` updates and `(size,)` arrays of every update's metrics (zero past
+    `count`).
   """
-  init_key, rollout_key = jax.random.split(key)
-  actor = init_actor(agent, env, init_key)
-  _, rollout = collect_rollout(agent, env, params, actor, rollout_key, num_steps, greedy=greedy)
-  done = rollout.terminated | rollout.truncated
-  return jnp.sum(rollout.episode_return), jnp.sum(done.astype(jnp.float32))
+  return run_steps(lambda state, _: ppo_update(agent, env, hp, state), state, count, size)
