@@ -120,14 +120,16 @@ class Workdir:
   Args:
     path: the run's directory; created if needed.
     config: the run's validated config.
+    started: when this session of the run started (`time.perf_counter()`), before it built its
+      model and data; default now.
 
   Attributes:
     path: the run's directory.
     start: the step of the latest checkpoint, which `restore` restores; 0 for a new run.
   """
 
-  def __init__(self, path: str | pathlib.Path, config: Any):
-    self._session_start = time.perf_counter()
+  def __init__(self, path: str | pathlib.Path, config: Any, started: float | None = None):
+    self._session_start = time.perf_counter() if started is None else started
     self._wall_before = 0.0
     self.path = pathlib.Path(path)
     self.path.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -135,6 +136,7 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
       learning rate; raised before anything is written.
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
+  started = time.perf_counter()
   run = setup(config)
   previous = workdirs.previous_run(workdir, PPOConfig)
   if previous is not None:
@@ -152,7 +154,7 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
   steps_per_update = config.env.num_envs * config.ppo.rollout_steps
   optimizer_steps = config.ppo.epochs * config.ppo.minibatches
 
-  with workdirs.Workdir(workdir, config) as files:
+  with workdirs.Workdir(workdir, config, started) as files:
     state, _ = files.restore(run.state)
     num_params = count_parameters(state.train_state.params)
     header = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -158,6 +159,7 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
       raised before anything is written.
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
+  started = time.perf_counter()
   run = setup(config)
   previous = workdirs.previous_run(workdir, Config)
   if previous is not None:
@@ -175,7 +177,7 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
   schedule = learning_rate_schedule(config.optimizer, config.optimizer.learning_rate, run.total_steps)
   batch_size = config.data.batch_size
 
-  with workdirs.Workdir(workdir, config) as files:
+  with workdirs.Workdir(workdir, config, started) as files:
     state, progress = files.restore(run.state)
     if progress:
       run.order.restore(progress["data"])
