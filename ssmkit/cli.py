@@ -1,8 +1,10 @@
 """The `ssmkit` command line.
 
     ssmkit bench {scan,rl,layers,sequence-parallel} [--shapes small|full] [--repeats N] [--markdown]
-    ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (supervised or PPO)
-    ssmkit eval --workdir DIR
+    ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
+    ssmkit eval --workdir DIR [--step N]
+    ssmkit configs
+    ssmkit --version
 
 Each command is a subparser whose `run` default unpacks the parsed flags into a
 library call; a new command (`train`, ...) adds one subparser.
@@ -16,6 +18,8 @@ import pathlib
 import signal
 import sys
 from collections.abc import Sequence
+
+import ssmkit
 
 
 def _positive_int(text: str) -> int:
@@ -70,18 +74,16 @@ def _run_train(args: argparse.Namespace) -> int:
   workdir = args.workdir or pathlib.Path("workdirs") / pathlib.Path(args.config).stem
   try:
     if args.distributed or {args.coordinator_address, args.num_processes, args.process_id} != {None}:
-      train.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+      train.core.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     config = train.load_config(args.config, args.overrides)
-    if isinstance(config, train.PPOConfig):
-      summary, metric = train.train_ppo(config, workdir), "mean_episode_return"
-    else:
-      summary, metric = train.train_and_evaluate(config, workdir), "test_accuracy"
-  except train.ConfigError as error:
+    summary = train.train_and_evaluate(config, workdir)
+  except (train.ConfigError, FileNotFoundError) as error:
     print(f"ssmkit train: error: {error}", file=sys.stderr)
     return 2
   except train.Interrupted as error:
     print(f"ssmkit train: {error}", file=sys.stderr)
     return 128 + signal.Signals[error.signal_name].value
+  metric = train.core.task_kind(config).metric
   print(f"workdir={workdir}")
   print(f"{metric}={_number(summary[metric])}")
   return 0
@@ -96,19 +98,27 @@ def _run_eval(args: argparse.Namespace) -> int:
   from ssmkit import train
 
   try:
-    config_file = args.workdir / "config.yaml"
-    if config_file.is_file() and isinstance(train.load_config(config_file), train.PPOConfig):
-      result = train.evaluate_ppo(args.workdir)
-      print(f"step={result['step']} episodes={result['episodes']}")
-      print(f"mean_episode_return={_number(result['mean_episode_return'])}")
-      return 0
-    result = train.evaluate(args.workdir)
+    metric = train.core.workdir_task(args.workdir).metric
+    result = train.evaluate(args.workdir, args.step)
   except (FileNotFoundError, train.ConfigError) as error:
     print(f"ssmkit eval: error: {error}", file=sys.stderr)
     return 2
-  print(f"step={result['step']} test_examples={result['test_examples']} "
-        f"test_loss={result['test_loss']:.4f}")
-  print(f"test_accuracy={result['test_accuracy']:.4f}")
+  counts = " ".join(f"{key}={value if isinstance(value, int) else _number(value)}"
+                    for key, value in result.items() if key != metric)
+  print(counts)
+  print(f"{metric}={_number(result[metric])}")
+  return 0
+
+
+def _run_configs(args: argparse.Namespace) -> int:
+  del args
+  from ssmkit import train
+
+  names = train.shipped_configs()
+  width = max(map(len, names))
+  for task in train.core.TASKS:
+    for name in train.shipped_configs(task):
+      print(f"{name:<{width}}  {task:<10}  {train.core.describe_config(name)}")
   return 0
 
 
@@ -138,8 +148,8 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
                            help="number of processes of the run")
   distributed.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
   parser.add_argument(
-      "overrides", nargs="*", metavar="key=value",
-      help="config overrides, e.g. train.epochs=5 model.layer_kwargs.d_state=32",
+      "overrides", nargs="*", default=[], metavar="key=value",
+      help="optional config overrides, e.g. train.epochs=5 model.layer_kwargs.d_state=32",
   )
   parser.set_defaults(run=_run_train)
 
@@ -148,22 +158,30 @@ def _add_eval(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--workdir", type=pathlib.Path, required=True, help="the workdir of a training run"
   )
+  parser.add_argument(
+      "--step", type=int, default=None, help="the checkpoint's step; default: the latest"
+  )
   parser.set_defaults(run=_run_eval)
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="ssmkit", description="ssmkit command line.")
+  parser.add_argument("--version", action="version", version=f"ssmkit {ssmkit.__version__}")
   commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   _add_benchmarks(commands.add_parser("bench", help="run a benchmark and print its table"))
   _add_train(commands.add_parser(
       "train", help="train a model from a config, resuming in its workdir",
       description="Trains and evaluates a model; prints test_accuracy=... as its last line "
-                  "(mean_episode_return=... for a PPO config, one with an `env` section).",
+                  "(mean_episode_return=... for a config of `task: ppo`).",
   ))
   _add_eval(commands.add_parser(
-      "eval", help="evaluate a workdir's latest checkpoint on the test split",
-      description="Restores the latest checkpoint of a training run and evaluates it on the test split.",
+      "eval", help="evaluate a checkpoint of a workdir as its run's final evaluation does",
+      description="Restores a checkpoint of a training run (the latest unless --step) and evaluates it.",
   ))
+  commands.add_parser(
+      "configs", help="list the configs shipped with ssmkit", description="Lists the shipped configs, "
+      "which `ssmkit train NAME` takes in place of a path, with their task kinds.",
+  ).set_defaults(run=_run_configs)
   return parser
 
 

@@ -23,7 +23,8 @@ def test_bench_scan_small_prints_every_method_shape_criterion_and_the_split(caps
     assert f" {name} " in out
   for shape in ("T=64 D=2", "B=2 T=16 D=2"):
     assert shape in out
-  assert out.count("PASS") + out.count("FAIL") == 5  # one line per acceptance criterion
+  # Microsecond timings judge nothing: the criteria are left to the full suite.
+  assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
   # The sequence-parallel table follows, the split checked against one device; with one
   # device (one GPU) a line that says what it needs instead.
   split = out[out.index("Sequence parallelism:"):]
@@ -46,7 +47,7 @@ def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
   for case in ("GAE (T, B) T=33 B=4", "returns (B, T) T=17 B=3", "returns T=50",
                "V-trace (T, B) T=21 B=3", "Retrace (B, T) T=19 B=2"):
     assert case in out
-  assert out.count("PASS") + out.count("FAIL") == 5  # one line per case
+  assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
 
 
 def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):

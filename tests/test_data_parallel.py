@@ -10,6 +10,7 @@ Every run of this module uses the default backend's devices where it has 8, else
 (the `host_devices` fixture), so the runs compared with each other share a backend.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -25,7 +26,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ssmkit import cli, train
-from ssmkit._src.train import loop, metrics, parallel
+from ssmkit._src.train.core import metrics, parallel
+from ssmkit._src.train.supervised.data import split_arrays
 
 pytestmark = pytest.mark.usefixtures("host_devices")
 
@@ -112,13 +114,15 @@ def test_batch_norm_statistics_span_the_whole_batch():
   for devices in (1, 8):
     config = train.load_config("mnist1d_lru", [*TINY, "model.norm=batch", f"mesh.data={devices}"])
     with jax.enable_x64(False):
-      run = loop._setup(config)
-      step, _ = loop._jit_steps(run.mesh)
+      run = train.supervised.setup(config)
+      replicated = parallel.replicated(run.mesh)
+      steps = jax.jit(functools.partial(train.supervised.train_steps, sharding=parallel.split(run.mesh)))
+      arrays = parallel.place(split_arrays(run.dataset, "train"), replicated)
       state, losses[devices] = run.state, []
       for _ in range(2):
-        batch = parallel.place(next(run.train_batches), parallel.split(run.mesh))
-        state, sums = step(state, batch, run.dropout_key)
-        losses[devices].append(float(sums["loss"]))
+        indices = parallel.place(run.order.take(1, rows=1), replicated)
+        state, sums = steps(state, arrays, indices, 1, run.dropout_key)
+        losses[devices].append(float(sums["loss"][0]))
         stats.setdefault(devices, jax.device_get(state.batch_stats))
   np.testing.assert_allclose(losses[8], losses[1], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), stats[8], stats[1])

@@ -1,4 +1,4 @@
-"""Tests of PPO with recurrent policies (ssmkit.train.train_ppo) and `ssmkit train` on PPO configs.
+"""Tests of PPO with recurrent policies (ssmkit.train.ppo) and `ssmkit train` on PPO configs.
 
 Training runs use the shipped ppo_memory_* configs made tiny by the `TINY` overrides (8
 environments x 16 steps, MemoryChain with memory_length 3, a 1-block LRU of width 8, 4 updates).
@@ -28,15 +28,15 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import multi_device
 from ssmkit import cli, train
-from ssmkit._src.train import metrics
-from ssmkit._src.train.ppo import (
+from ssmkit._src.train.core import metrics
+from ssmkit.train import ppo
+from ssmkit.train.ppo import (
     advantages_and_targets,
     collect_rollout,
     create_ppo_state,
     init_actor,
     sequences,
 )
-from ssmkit._src.train.ppo_loop import make_ppo_optimizer
 
 UPDATES = 4
 TINY = (
@@ -108,7 +108,7 @@ def test_ppo_configs_are_shipped_apart_from_the_supervised_ones():
 @pytest.mark.parametrize("name", train.shipped_configs("ppo"))
 def test_every_ppo_config_loads_and_comments_every_field(name):
   config = train.load_config(name)
-  assert isinstance(config, train.PPOConfig)
+  assert isinstance(config, ppo.PPOConfig)
   assert config.env.name == "MemoryChain-bsuite"
   assert config.model.recurrent == (name == "ppo_memory_lru")
   path = pathlib.Path(train.__file__).parents[1] / "configs" / f"{name}.yaml"
@@ -140,14 +140,20 @@ def test_bad_overrides_raise_errors_naming_the_key(overrides, key):
     train.load_config("ppo_memory_lru", overrides)
 
 
-def test_an_env_section_makes_a_ppo_config_and_its_name_is_mandatory(tmp_path):
-  assert isinstance(train.load_config(None, ["env.name=MemoryChain-bsuite"]), train.PPOConfig)
+def test_the_declared_task_picks_the_schema_and_env_name_is_mandatory(tmp_path):
+  assert isinstance(train.load_config(None, ["task=ppo", "env.name=MemoryChain-bsuite"]), ppo.PPOConfig)
   with pytest.raises(train.ConfigError, match=r"env\.name"):
-    train.load_config(None, ["ppo.gamma=0.9"])
+    train.load_config(None, ["task=ppo", "ppo.gamma=0.9"])
   path = tmp_path / "bad.yaml"
-  path.write_text("env:\n  name: MemoryChain-bsuite\nmodel:\n  num_block: 3\n")
+  path.write_text("task: ppo\nenv:\n  name: MemoryChain-bsuite\nmodel:\n  num_block: 3\n")
   with pytest.raises(train.ConfigError, match=r"model\.num_block"):
     train.load_config(path)
+
+
+@pytest.mark.parametrize("overrides", [["env.name=MemoryChain-bsuite"], ["ppo.gamma=0.9"]])
+def test_a_ppo_section_without_the_task_says_which_task_to_declare(overrides):
+  with pytest.raises(train.ConfigError, match=r"section of `task: ppo` configs.*declare `task: ppo`"):
+    train.load_config(None, overrides)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +166,8 @@ def test_an_env_section_makes_a_ppo_config_and_its_name_is_mandatory(tmp_path):
 )
 def test_config_errors_found_when_building_the_run_name_the_key(overrides, key, tmp_path):
   with pytest.raises(train.ConfigError, match=key):
-    train.train_ppo(_config("ppo_memory_lru", *overrides), tmp_path)
+    train.train_and_evaluate(_config("ppo_memory_lru", *overrides), tmp_path)
+  assert not any(tmp_path.iterdir())  # found before anything is written
 
 
 def test_train_command_reports_config_errors(tmp_path, capsys):
@@ -194,7 +201,7 @@ def _numpy_ppo_loss(logits, values, action, old_log_prob, old_value, advantage, 
 
 @pytest.mark.parametrize("clip_value, normalize", [(True, True), (False, False)])
 def test_ppo_loss_matches_the_clipped_objective_in_numpy(clip_value, normalize):
-  hp = train.PPOHyperparameters(clip_eps=0.2, vf_coef=0.7, ent_coef=0.05, clip_value=clip_value,
+  hp = ppo.PPOHyperparameters(clip_eps=0.2, vf_coef=0.7, ent_coef=0.05, clip_value=clip_value,
                                 normalize_advantages=normalize)
   rng = np.random.default_rng(0)
   shape = (6, 9)
@@ -205,7 +212,7 @@ def test_ppo_loss_matches_the_clipped_objective_in_numpy(clip_value, normalize):
   old_log_prob = (np.take_along_axis(log_probs, action[..., None], -1)[..., 0]
                   + rng.normal(scale=0.5, size=shape)).astype(np.float32)
   values, old_value, advantage, target = (rng.normal(size=shape).astype(np.float32) for _ in range(4))
-  loss, got = jax.jit(functools.partial(train.ppo_loss, hp=hp))(
+  loss, got = jax.jit(functools.partial(ppo.ppo_loss, hp=hp))(
       logits, values, action, old_log_prob, old_value, advantage, target)
   expected_loss, expected = _numpy_ppo_loss(
       logits, values, action, old_log_prob, old_value, advantage, target, hp)
@@ -245,9 +252,9 @@ def _two_rollouts(agent, env, params, actor):
 def tiny():
   """The tiny recurrent config's environments, policy, initial state and two rollouts."""
   config = _config()
-  env = train.make_env(config.env)
-  agent = train.make_agent(config.model, env)
-  tx, _ = make_ppo_optimizer(config.ppo, config.train.updates)
+  env = ppo.make_env(config.env)
+  agent = ppo.make_agent(config.model, env)
+  tx, _ = ppo.make_optimizer(config.ppo, config.train.updates)
   state = create_ppo_state(agent, env, tx, jax.random.key(0))
   params = state.train_state.params
   return {"config": config, "env": env, "agent": agent, "params": params,
@@ -270,7 +277,7 @@ def test_rollouts_record_episode_starts_returns_and_the_context(tiny):
 def test_advantages_equal_a_float64_gae_loop_over_episode_ends(max_steps, tiny):
   config, agent, params, (_, rollout) = tiny["config"], tiny["agent"], tiny["params"], tiny["rollouts"]
   if max_steps == 3:
-    env = train.make_env(_config("ppo_memory_lru", f"env.kwargs.max_steps_in_episode={max_steps}").env)
+    env = ppo.make_env(_config("ppo_memory_lru", f"env.kwargs.max_steps_in_episode={max_steps}").env)
     _, rollout = _two_rollouts(agent, env, params, init_actor(agent, env, jax.random.key(0)))
   assert (rollout.truncated if max_steps == 3 else rollout.terminated).any()
   assert not (rollout.truncated & rollout.terminated).any()
@@ -311,10 +318,10 @@ def test_sequence_rerun_from_the_stored_state_reproduces_the_rollout(tiny):
 @pytest.mark.parametrize("layer", ["lru", "mamba"])
 @pytest.mark.parametrize("scan_blocks", [False, True])
 def test_state_batch_axis_is_the_environment_axis_of_every_state_leaf(layer, scan_blocks):
-  config = _config("ppo_memory_lru", f"model.layer={layer}", f"model.scan_blocks={scan_blocks}",
-                   "model.num_blocks=3")
-  config.model.layer_kwargs = {"d_state": 4}
-  agent = train.make_agent(config.model, train.make_env(config.env))
+  config = train.load_config(None, [
+      "task=ppo", "env.name=MemoryChain-bsuite", f"model.layer={layer}", "model.layer_kwargs.d_state=4",
+      "model.features=8", "model.num_blocks=3", f"model.scan_blocks={scan_blocks}"])
+  agent = ppo.make_agent(config.model, ppo.make_env(config.env))
   state = jax.eval_shape(lambda: agent.initialize_state(5, 3))
   assert {leaf.shape[agent.state_batch_axis] for leaf in jax.tree.leaves(state)} == {5}
   assert {leaf.shape[0] for leaf in jax.tree.leaves(state)} == ({3} if scan_blocks else {5})
@@ -352,7 +359,7 @@ def uninterrupted(tmp_path_factory):
   finally:
     logger.removeHandler(handler)
   return {"workdir": workdir, "status": status, "out": out,
-          "update_compiles": [m for m in compiles if m.startswith("Compiling jit(ppo_update)")]}
+          "update_compiles": [m for m in compiles if m.startswith("Compiling jit(ppo_updates)")]}
 
 
 def _check_run_outputs(workdir, out):
@@ -415,7 +422,7 @@ def interrupted(tmp_path_factory):
 
   with multi_device.on_host_devices(), jax.enable_x64(True):
     with pytest.raises(train.Interrupted) as stop:
-      train.train_ppo(_config("ppo_memory_lru", "mesh.data=8"), workdir, hooks=[send_sigint])
+      train.train_and_evaluate(_config("ppo_memory_lru", "mesh.data=8"), workdir, hooks=[send_sigint])
     after_stop = {
         "handler": signal.getsignal(signal.SIGINT),
         "checkpoints": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
@@ -456,6 +463,24 @@ def test_resumed_run_continues_the_same_trajectory(interrupted, uninterrupted):
   _check_run_outputs(workdir, interrupted["out"])
 
 
+def test_workdir_of_another_task_kind_is_refused_before_anything_is_written(uninterrupted):
+  workdir = uninterrupted["workdir"]
+  files = {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file()}
+  config = train.load_config("mnist1d_lru", ["data.kwargs.num_samples=200", "mesh.data=1"])
+  with pytest.raises(train.ConfigError, match="holds a run of another kind than 'supervised'"):
+    train.train_and_evaluate(config, workdir)
+  assert {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file()} == files
+
+
+def test_load_gives_the_policy_network_its_parameters_and_its_config(uninterrupted):
+  model, variables, config = train.load(uninterrupted["workdir"])
+  assert config == _config() and set(variables) == {"params"}
+  params = _checkpoint(uninterrupted["workdir"])["train_state"]["params"]
+  jax.tree.map(np.testing.assert_array_equal, variables["params"], params)
+  obs = jnp.zeros((2, 5, 3), jnp.float32)  # MemoryChain observations: 3 features
+  assert model.apply(variables, obs, None, jnp.ones((2, 5), bool)).shape == (2, 5, 3)  # 2 logits, value
+
+
 def test_workdir_of_another_policy_is_refused(interrupted):
   with pytest.raises(train.ConfigError, match=r"model\.features"):
-    train.train_ppo(_config("ppo_memory_lru", "model.features=16"), interrupted["workdir"])
+    train.train_and_evaluate(_config("ppo_memory_lru", "model.features=16"), interrupted["workdir"])

@@ -5,6 +5,7 @@ model of about 1.4k parameters, 160 train and 40 test sequences, 6 steps), so ea
 few seconds, mostly compilation. Runs are shared by the tests of a module-scoped fixture.
 """
 
+import ast
 import contextlib
 import io
 import json
@@ -19,11 +20,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ssmkit import cli, train
-from ssmkit._src.train import metrics
-from ssmkit._src.train.batches import TrainBatches, eval_batches
-from ssmkit._src.train.model import parameter_labels
-from ssmkit._src.train.steps import metric_sums
+import ssmkit
+from ssmkit import cli, data, train
+from ssmkit._src.layers.registry import LAYERS
+from ssmkit._src.train import reference
+from ssmkit._src.train.core import metrics
+from ssmkit.train.core import parameter_labels
+from ssmkit.train.supervised import TrainOrder, eval_indices, metric_sums
 
 STEPS = 6
 TINY = (
@@ -56,6 +59,22 @@ def _last_line(text):
   return text.strip().splitlines()[-1]
 
 
+@contextlib.contextmanager
+def _compiles(name):
+  """Yields a list that receives the messages of JAX compiling `jit(name)` inside the context."""
+  compiles = []
+  handler = logging.Handler()
+  handler.emit = lambda record: compiles.extend(
+      [record.getMessage()] if record.getMessage().startswith(f"Compiling jit({name})") else [])
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      yield compiles
+  finally:
+    logger.removeHandler(handler)
+
+
 # Configs.
 
 
@@ -78,13 +97,13 @@ def test_top_level_configs_directory_is_the_shipped_one():
 def test_overrides_apply_on_top_of_the_file_with_yaml_values():
   config = train.load_config(
       "configs/mnist1d_lru.yaml",
-      ["train.steps=7", "model.layer_kwargs.d_state=16", "optimizer.grad_clip=null", "model.layer=s5"],
+      ["train.steps=7", "model.layer_kwargs.d_state=16", "optimizer.grad_clip=null", "model.norm=rms"],
   )
   assert config.train.steps == 7
   assert config.model.layer_kwargs["d_state"] == 16
   assert config.model.layer_kwargs["r_min"] == 0.4  # from the file
   assert config.optimizer.grad_clip is None
-  assert config.model.layer == "s5"
+  assert config.model.norm == "rms"
 
 
 @pytest.mark.parametrize(
@@ -123,15 +142,54 @@ def test_unknown_config_lists_the_shipped_ones():
     train.load_config("no_such_config")
 
 
-def test_unknown_layer_kwarg_is_named_when_the_model_is_built():
-  config = _config("model.layer_kwargs.d_stat=8")
+def test_unknown_task_is_named():
+  message = r"`task` must be one of \('supervised', 'ppo'\), got 'rl'"
+  with pytest.raises(train.ConfigError, match=message):
+    train.load_config("mnist1d_lru", ["task=rl"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.layer_kwargs.d_state=abc", r"`model\.layer_kwargs\.d_state` must be int .*LRU.* 'abc'"),
+        ("model.layer_kwargs.d_state=8.5", r"`model\.layer_kwargs\.d_state` must be int .*got 8\.5"),
+        ("model.layer_kwargs.r_min=high", r"`model\.layer_kwargs\.r_min` must be float .*got 'high'"),
+        ("model.layer_kwargs.param_dtype=float33", r"`model\.layer_kwargs\.param_dtype` must be a dty"),
+    ],
+)
+def test_layer_kwargs_of_another_type_than_the_layer_field_are_named(override, message):
+  with pytest.raises(train.ConfigError, match=message):
+    _config(override)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["model.layer_kwargs.d_state=-3"], ["d_state"]),
+        (["model.layer_kwargs.d_state=0"], ["d_state"]),
+        (["model.layer_kwargs.r_max=0.3"], ["r_max"]),  # below the file's r_min of 0.4
+        # Each fits the default of the other; together r_min > r_max.
+        (["model.layer_kwargs.r_min=0.95", "model.layer_kwargs.r_max=0.92"], ["r_min", "r_max"]),
+    ],
+)
+def test_layer_kwargs_the_layer_rejects_are_named_before_anything_is_written(overrides, named, tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(train.ConfigError, match=r"ssmkit\.layers\.LRU rejects") as error:
+    train.train_and_evaluate(_config(*overrides), workdir)
+  message = str(error.value)
+  assert [key for key in ("d_state", "r_min", "r_max") if f"layer_kwargs.{key}`" in message] == named
+  assert not workdir.exists()
+
+
+def test_unknown_layer_kwarg_is_named():
   with pytest.raises(train.ConfigError, match=r"model\.layer_kwargs\.d_stat"):
-    train.build_model(config.model, num_outputs=10, vocab_size=None)
+    _config("model.layer_kwargs.d_stat=8")
 
 
-def test_unknown_data_kwarg_is_named(tmp_path):
+def test_unknown_data_kwarg_is_named_before_anything_is_written(tmp_path):
   with pytest.raises(train.ConfigError, match="num_sample"):
     train.train_and_evaluate(_config("data.kwargs.num_sample=5"), tmp_path)
+  assert not any(tmp_path.iterdir())
 
 
 def test_per_step_targets_need_pooling_none(tmp_path):
@@ -151,7 +209,7 @@ def _tiny_params(layer):
       None,
       ["data.name=mnist1d", f"model.layer={layer}", "model.features=8", "model.layer_kwargs.d_state=4"],
   )
-  model = train.build_model(config.model, num_outputs=3, vocab_size=None)
+  model = train.core.build_model(config.model, num_outputs=3, vocab_size=None)
   variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 5, 2), jnp.float32))
   return config, variables["params"]
 
@@ -178,6 +236,16 @@ def test_ssm_parameters_get_their_own_group(layer, ssm):
     assert by_name["A_log"] == by_name["dt_bias"] == by_name["D"] == by_name["conv_bias"] == {"no_decay"}
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
+  """A renamed parameter must be renamed in the declaration too, or this fails."""
+  layer = LAYERS[name](d_state=4)
+  params = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((1, 5, 4), jnp.float32))["params"]
+  groups = layer.parameter_groups
+  assert not groups.recurrence & groups.no_decay
+  assert groups.recurrence | groups.no_decay <= set(params)
+
+
 def test_optimizer_gives_ssm_parameters_their_learning_rate_and_no_weight_decay():
   config, shapes = _tiny_params("lru")
   params = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype), shapes)
@@ -185,7 +253,7 @@ def test_optimizer_gives_ssm_parameters_their_learning_rate_and_no_weight_decay(
   config.optimizer.learning_rate, config.optimizer.ssm_learning_rate = lr, ssm_lr
   config.optimizer.weight_decay, config.optimizer.grad_clip = decay, None
   config.optimizer.warmup_steps = 0
-  tx = train.make_optimizer(config.optimizer, "lru", total_steps=100)
+  tx = train.supervised.make_optimizer(config.optimizer, "lru", total_steps=100)
   labels = parameter_labels(params, "lru")
   # Zero gradients: AdamW's first update is -lr * decay * p on decayed parameters, 0 elsewhere.
   zeros = jax.tree.map(jnp.zeros_like, params)
@@ -201,27 +269,53 @@ def test_optimizer_gives_ssm_parameters_their_learning_rate_and_no_weight_decay(
     np.testing.assert_allclose(update, -(ssm_lr if label == "ssm" else lr), rtol=1e-4)
 
 
-def test_train_batches_restart_exactly_from_a_saved_position():
-  arrays = {"x": np.arange(10)[:, None].astype(np.float32), "y": np.arange(10, dtype=np.int32)}
-  batches = TrainBatches(arrays, batch_size=3, seed=1)
-  assert batches.steps_per_epoch == 3  # the 10th example is dropped each epoch
-  epoch = [next(batches)["y"] for _ in range(3)]
+def test_train_order_restarts_exactly_from_a_saved_position():
+  order = TrainOrder(10, batch_size=3, seed=1)
+  assert order.steps_per_epoch == 3  # the 10th example is dropped each epoch
+  epoch = [next(order) for _ in range(3)]
   assert len(set(np.concatenate(epoch))) == 9
   for _ in range(2):
-    next(batches)
-  position = batches.state()
-  expected = [next(batches)["y"] for _ in range(5)]
-  restored = TrainBatches(arrays, batch_size=3, seed=1)
+    next(order)
+  position = order.state()
+  expected = [next(order) for _ in range(5)]
+  restored = TrainOrder(10, batch_size=3, seed=1)
   restored.restore(position)
-  np.testing.assert_array_equal([next(restored)["y"] for _ in range(5)], expected)
+  np.testing.assert_array_equal([next(restored) for _ in range(5)], expected)
+  # A span of 2 steps in 4 rows: the next 2 batches, then zero rows.
+  restored.restore(position)
+  np.testing.assert_array_equal(restored.take(2, rows=4), [*expected[:2], [0] * 3, [0] * 3])
+  np.testing.assert_array_equal(next(restored), expected[2])
 
 
 def test_eval_batches_count_every_example_once():
-  arrays = {"x": np.arange(7)[:, None].astype(np.float32), "y": np.arange(7, dtype=np.int32)}
-  batches = eval_batches(arrays, batch_size=3)
-  assert [b["y"].shape for b in batches] == [(3,)] * 3
-  counted = np.concatenate([b["y"][b["valid"]] for b in batches])
-  np.testing.assert_array_equal(counted, np.arange(7))
+  indices, valid = eval_indices(7, batch_size=3)
+  assert indices.shape == valid.shape == (3, 3)
+  np.testing.assert_array_equal(indices[valid], np.arange(7))
+  np.testing.assert_array_equal(indices[~valid], [0, 0])  # padding repeats the first example
+
+
+@pytest.mark.parametrize(
+    "total, log_every, eval_every, checkpoint_every, start",
+    [(10, 4, 3, 5, 0), (7, 50, 0, 500, 0), (11, 2, 0, 3, 5), (1, 1, 1, 1, 0),
+     (2480, 50, 500, 500, 1000)],
+)
+def test_spans_end_at_every_step_that_logs_evaluates_or_saves(total, log_every, eval_every,
+                                                             checkpoint_every, start):
+  rhythm = train.core.Rhythm(total, log_every, eval_every, checkpoint_every)
+  spans, step = [], start
+  while step < total:
+    spans.append(rhythm.span(step))
+    step = spans[-1].end
+  due = lambda every, s: (every and s % every == 0) or s == total
+  ends = [s for s in range(start + 1, total + 1)
+          if due(log_every, s) or due(eval_every, s) or due(checkpoint_every, s)]
+  assert [span.end for span in spans] == ends
+  assert [span.start for span in spans] == [start, *ends[:-1]]
+  for span in spans:
+    assert (span.log, span.evaluate, span.checkpoint, span.last) == (
+        due(log_every, span.end), due(eval_every, span.end), due(checkpoint_every, span.end),
+        span.end == total)
+    assert 1 <= span.length <= rhythm.max_span
 
 
 def test_metric_sums_score_only_real_targets_of_real_examples():
@@ -280,20 +374,11 @@ def test_every_shipped_config_trains_in_its_tiny_variant(name, tmp_path, capsys)
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-  """One whole run, with the compilations of `train_step` counted."""
+  """One whole run, one step per call, with the compilations of `train_steps` counted."""
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  compiles = []
-  handler = logging.Handler()
-  handler.emit = lambda record: compiles.append(record.getMessage())
-  logger = logging.getLogger("jax")
-  logger.addHandler(handler)
-  try:
-    with jax.enable_x64(True), jax.log_compiles():
-      summary = train.train_and_evaluate(_config(), workdir)
-  finally:
-    logger.removeHandler(handler)
-  train_step_compiles = [m for m in compiles if m.startswith("Compiling jit(train_step)")]
-  return workdir, summary, train_step_compiles
+  with jax.enable_x64(True), _compiles("train_steps") as compiles:
+    summary = train.train_and_evaluate(_config(), workdir)
+  return workdir, summary, compiles
 
 
 def test_run_writes_metrics_summary_curves_and_checkpoints(uninterrupted):
@@ -335,6 +420,53 @@ def test_eval_command_reproduces_the_final_test_metrics(uninterrupted, capsys):
 def test_eval_command_without_a_run_fails_clearly(tmp_path, capsys):
   assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
   assert "config.yaml" in capsys.readouterr().err
+
+
+def test_eval_command_evaluates_the_checkpoint_of_a_chosen_step(uninterrupted, capsys):
+  workdir = uninterrupted[0]
+  at_3 = next(r for r in metrics.read(workdir / "metrics.jsonl") if r["step"] == 3)
+  assert cli.main(["eval", "--workdir", str(workdir), "--step", "3"]) == 0
+  out = capsys.readouterr().out
+  assert f"step=3 test_examples=40 test_loss={at_3['test_loss']:.4f}" in out
+  assert _last_line(out) == f"test_accuracy={at_3['test_accuracy']:.4f}"
+  assert cli.main(["eval", "--workdir", str(workdir), "--step", "4"]) == 2
+  assert "no checkpoint of step 4" in capsys.readouterr().err
+
+
+def test_load_gives_the_trained_model_its_variables_and_its_config(uninterrupted):
+  workdir, summary, _ = uninterrupted
+  model, variables, config = train.load(workdir)
+  assert config == _config()
+  assert set(variables) == {"params", "batch_stats"}  # the config's model has BatchNorm
+  # Evaluation mode by default, on the dataset's own test features.
+  dataset = data.load(config.data.name, **config.data.kwargs)
+  logits = jax.jit(model.apply)(variables, dataset.x_test)
+  assert logits.shape == (40, 10)
+  assert np.mean(np.argmax(logits, axis=-1) == dataset.y_test) == pytest.approx(summary["test_accuracy"])
+
+
+def test_a_run_in_spans_of_steps_computes_what_a_run_step_by_step_does(uninterrupted, tmp_path):
+  """Logs every 4 steps: the steps run 3, 1 and 2 per jitted call (evaluations at 3 and 6).
+
+  On CPU each step in a span does the same float32 operations in the same order as a step
+  of its own, so the results are equal bit for bit; elsewhere to rounding.
+  """
+  with jax.enable_x64(True), _compiles("train_steps") as compiles:
+    summary = train.train_and_evaluate(_config("train.log_every=4"), tmp_path)
+  assert len(compiles) == 1  # one compilation for spans of every length
+  by_step = metrics.read(uninterrupted[0] / "metrics.jsonl")
+  records = metrics.read(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in records] == [3, 4, 6]
+  assert "loss" not in records[0] and records[0]["test_loss"] == by_step[2]["test_loss"]
+  for record, steps in ((records[1], by_step[:4]), (records[2], by_step[4:])):
+    # Every batch scores 16 examples: the mean over a log interval is the mean of the step means.
+    np.testing.assert_allclose(record["loss"], np.mean([r["loss"] for r in steps]), rtol=1e-6)
+  if jax.default_backend() == "cpu":
+    jax.tree.map(np.testing.assert_array_equal, _final_state(tmp_path), _final_state(uninterrupted[0]))
+    assert summary["test_loss"] == uninterrupted[1]["test_loss"]
+  else:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 _final_state(tmp_path), _final_state(uninterrupted[0]))
 
 
 @pytest.fixture(scope="module")
@@ -404,6 +536,92 @@ def test_workdir_of_another_model_is_refused(interrupted):
     train.train_and_evaluate(_config("model.features=32"), interrupted["workdir"])
 
 
+def test_resuming_with_another_length_of_the_cosine_schedule_is_refused(interrupted):
+  """A longer run would stretch the cosine schedule and raise the decayed learning rate again."""
+  workdir = interrupted["workdir"]
+  files = {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file()}
+  for overrides in (["train.steps=12"], ["train.steps=null", "train.epochs=1"]):  # 10 steps an epoch
+    message = (r"cosine learning-rate schedule reaches 0 after 6 steps; resuming it with (12|10) steps"
+               r".*own `train.steps`.*in another workdir")
+    with pytest.raises(train.ConfigError, match=message):
+      train.train_and_evaluate(_config(*overrides), workdir)
+  assert {path: path.read_bytes() for path in workdir.rglob("*") if path.is_file()} == files
+
+
 def test_train_command_reports_config_errors(tmp_path, capsys):
   assert cli.main(["train", "mnist1d_lru", "--workdir", str(tmp_path), "model.featurs=3"]) == 2
   assert "model.featurs" in capsys.readouterr().err
+
+
+def test_train_command_with_an_unknown_config_lists_the_shipped_ones(tmp_path, capsys):
+  assert cli.main(["train", "nonexistent", "--workdir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert "'nonexistent' is neither a file nor a shipped config" in err
+  assert all(name in err for name in train.shipped_configs()) and "ssmkit configs" in err
+  assert not (tmp_path / "run").exists()
+
+
+def test_train_command_needs_a_config_and_no_overrides(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["train"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2
+  assert err.splitlines()[-1].endswith("the following arguments are required: config")
+
+
+def test_configs_command_lists_every_shipped_config_with_its_task_and_description(capsys):
+  assert cli.main(["configs"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert sorted(line.split()[0] for line in lines) == train.shipped_configs()
+  for line in lines:
+    name, task, description = line.split(maxsplit=2)
+    assert name in train.shipped_configs(task)
+    path = pathlib.Path(train.__file__).parents[1] / "configs" / f"{name}.yaml"
+    assert path.read_text().splitlines()[0] == f"# {description}"
+
+
+def test_version_flag_prints_the_version(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["--version"])
+  assert exit_.value.code == 0
+  assert capsys.readouterr().out.strip() == f"ssmkit {ssmkit.__version__}"
+
+
+# The package itself.
+
+
+def test_the_config_reference_in_the_docs_is_the_generated_one():
+  text = (pathlib.Path(train.__file__).parents[2] / "docs" / "training.md").read_text()
+  written = text.split(reference.BEGIN)[1].split(reference.END)[0]
+  assert written.strip() == train.core.config_reference().strip(), (
+      "docs/training.md is out of date: run `python -m ssmkit._src.train.reference docs/training.md`")
+
+
+def _imports(path, package, modules):
+  """The modules of `modules` that the module at `path` imports at its top level."""
+  found = set()
+  for node in ast.parse(path.read_text()).body:  # Imports under `if TYPE_CHECKING:` do not run.
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+      for alias in node.names:
+        submodule = f"{node.module}.{alias.name}"
+        found.add(submodule if submodule in modules else node.module)
+  return found & modules.keys()
+
+
+def test_the_training_package_has_no_import_cycles():
+  root = pathlib.Path(train.__file__).parents[1] / "_src" / "train"
+  package = "ssmkit._src.train"
+  modules = {}
+  for path in root.rglob("*.py"):
+    parts = path.relative_to(root).with_suffix("").parts
+    modules[".".join((package, *parts)).removesuffix(".__init__")] = path
+  graph = {name: _imports(path, package, modules) for name, path in modules.items()}
+  assert graph["ssmkit._src.train.registry"]  # the graph sees the imports
+
+  def visit(name, stack):
+    assert name not in stack, f"import cycle: {' -> '.join([*stack, name])}"
+    for imported in graph[name]:
+      visit(imported, [*stack, name])
+
+  for name in graph:
+    visit(name, [])

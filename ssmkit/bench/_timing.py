@@ -12,6 +12,9 @@ import jax
 
 K = TypeVar("K")
 
+# Printed instead of the criteria by a `--shapes small` run, whose timings are microseconds.
+SMALL_SHAPES_NOTE = "Criteria: judged on the full suite only (--shapes full), not on microseconds."
+
 
 def compile_timed(fn: Callable[..., Any], *args: Any) -> tuple[jax.stages.Compiled, float]:
   """Traces, lowers and compiles `jax.jit(fn)` for `args`.

@@ -1,66 +1,30 @@
-"""Training and evaluation of `ssmkit.layers.SequenceModel` from YAML configs.
+"""Training SSM models from YAML configs, in workdirs that survive interruption, and loading them.
 
-Supervised training on `ssmkit.data` tasks (`Config`, `train_and_evaluate`), and PPO with
-recurrent policies on gymnax environments (`PPOConfig`, `train_ppo`).
+    config = ssmkit.train.load_config("mnist1d_lru", ["train.epochs=5"])
+    summary = ssmkit.train.train_and_evaluate(config, "runs/lru")   # resumes in runs/lru
+    model, variables, config = ssmkit.train.load("runs/lru")
+    logits = model.apply(variables, ssmkit.data.mnist1d().x_test)
+
+Every config declares its task kind: `task: supervised` (the default; `Config`) or `task: ppo`.
+The building blocks of each kind are in `ssmkit.train.supervised` and `ssmkit.train.ppo`; what
+they share (the model section, the devices, the registry of task kinds) in `ssmkit.train.core`.
 """
 
-from ssmkit._src.train.config import (
-    Config,
-    DataConfig,
-    MeshConfig,
-    ModelConfig,
-    OptimizerConfig,
-    TrainConfig,
-    load_config,
-    shipped_configs,
-)
-from ssmkit._src.train.errors import ConfigError, Interrupted
-from ssmkit._src.train.loop import evaluate, train_and_evaluate
-from ssmkit._src.train.model import build_model
-from ssmkit._src.train.optim import make_optimizer
-from ssmkit._src.train.parallel import initialize_distributed
-from ssmkit._src.train.ppo import Agent, PPOState, VecEnv, ppo_loss, ppo_update
-from ssmkit._src.train.ppo_config import (
-    EnvConfig,
-    PolicyConfig,
-    PPOConfig,
-    PPOHyperparameters,
-    PPOTrainConfig,
-)
-from ssmkit._src.train.ppo_loop import evaluate_ppo, make_agent, make_env, train_ppo
-from ssmkit._src.train.steps import TrainState, eval_step, train_step
+from ssmkit._src.train.core.errors import ConfigError, Interrupted
+from ssmkit._src.train.registry import evaluate, load, load_config, shipped_configs, train_and_evaluate
+from ssmkit._src.train.supervised.config import Config
+from ssmkit.train import core, ppo, supervised
 
 __all__ = [
-    "Agent",
     "Config",
     "ConfigError",
-    "DataConfig",
-    "EnvConfig",
     "Interrupted",
-    "MeshConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "PPOConfig",
-    "PPOHyperparameters",
-    "PPOState",
-    "PPOTrainConfig",
-    "PolicyConfig",
-    "TrainConfig",
-    "TrainState",
-    "VecEnv",
-    "build_model",
-    "eval_step",
+    "core",
     "evaluate",
-    "evaluate_ppo",
-    "initialize_distributed",
+    "load",
     "load_config",
-    "make_agent",
-    "make_env",
-    "make_optimizer",
-    "ppo_loss",
-    "ppo_update",
+    "ppo",
     "shipped_configs",
+    "supervised",
     "train_and_evaluate",
-    "train_ppo",
-    "train_step",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -12,6 +12,23 @@ import numpy as np
 from ssmkit._src import checks
 
 Array = jax.Array
+
+
+class ParameterGroups(NamedTuple):
+  """Which parameters of a layer an optimizer treats apart, by the names the layer gives them.
+
+  Every layer declares its groups as the class attribute `parameter_groups`, next to the
+  parameters it names, so a trainer names none: `ssmkit.train` trains `recurrence` with its
+  `ssm_learning_rate` and no weight decay, and `no_decay` at the base learning rate without
+  weight decay.
+
+  Attributes:
+    recurrence: the parameters of the recurrence (eigenvalues, step sizes, input matrices).
+    no_decay: further parameters trained without weight decay.
+  """
+
+  recurrence: frozenset[str] = frozenset()
+  no_decay: frozenset[str] = frozenset()
 
 
 def constant(value: np.ndarray) -> nn.initializers.Initializer:

@@ -63,6 +63,10 @@ class LRU(nn.Module):
   max_phase: float = 2 * math.pi
   param_dtype: jnp.dtype = jnp.float32
 
+  # Trained with the SSM learning rate and no weight decay, as in the LRU paper.
+  parameter_groups = common.ParameterGroups(
+      recurrence=frozenset({"nu_log", "theta_log", "gamma_log", "B_re", "B_im"}))
+
   @nn.compact
   def _parameters(self, features: int) -> tuple[Array, Array, Array, Array, Array, Array]:
     """(lambda, B_re, B_im (gamma-scaled, `(N, H)`), C_re, C_im `(H, N)`, D `(H,)`)."""

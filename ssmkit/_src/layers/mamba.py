@@ -91,6 +91,9 @@ class Mamba(nn.Module):
   dt_max: float = 1e-1
   param_dtype: jnp.dtype = jnp.float32
 
+  # As in the Mamba code: A, D and the biases at the base learning rate without weight decay.
+  parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "D", "conv_bias"}))
+
   @nn.compact
   def _parameters(self, features: int) -> _Params:
     inner, n, dtype = self.expand * features, self.d_state, self.param_dtype

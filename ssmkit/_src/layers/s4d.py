@@ -48,6 +48,10 @@ class S4D(nn.Module):
   bidirectional: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
+  # Trained with the SSM learning rate and no weight decay, as in the S4 papers.
+  parameter_groups = common.ParameterGroups(
+      recurrence=frozenset({"log_dt", "log_a_real", "a_imag", "B_re", "B_im"}))
+
   def _initial_modes(self) -> tuple[np.ndarray, np.ndarray]:
     if self.d_state < 2 or self.d_state % 2:
       raise ValueError(f"`d_state` must be a positive even int, got {self.d_state!r}.")

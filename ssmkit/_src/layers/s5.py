@@ -63,6 +63,10 @@ class S5(nn.Module):
   bidirectional: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
+  # Trained with the SSM learning rate and no weight decay, as in the S5 paper.
+  parameter_groups = common.ParameterGroups(
+      recurrence=frozenset({"Lambda_re", "Lambda_im", "B", "log_dt"}))
+
   def _eigenbasis(self) -> tuple[np.ndarray, np.ndarray]:
     """Initial Lambda `(modes,)` and V `(P, modes)`, complex128."""
     p, j = self.d_state, self.blocks

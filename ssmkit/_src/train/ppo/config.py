@@ -1,7 +1,6 @@
-"""The PPO configuration: a typed schema for reinforcement learning runs on gymnax environments.
+"""The schema of PPO runs: a gymnax environment, a policy, PPO's hyperparameters, the run's length.
 
-`ssmkit.train.load_config` reads a YAML file into this schema instead of the supervised one when
-the file (or an override) has an `env` or `ppo` section.
+`ssmkit.train.load_config` reads a YAML file into this schema when it declares `task: ppo`.
 """
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from ssmkit._src.train.config import CHOICES, MINIMUMS, MeshConfig, ModelConfig, check_values, get_field
-from ssmkit._src.train.errors import ConfigError
+from ssmkit._src.train.core import model, schema
+from ssmkit._src.train.core.errors import ConfigError
+from ssmkit._src.train.core.model import ModelConfig
+from ssmkit._src.train.core.parallel import MeshConfig
 
 
 @dataclasses.dataclass
@@ -102,8 +103,10 @@ class PPOTrainConfig:
 
 @dataclasses.dataclass
 class PPOConfig:
-  """A whole PPO run: `ssmkit train CONFIG` and `train_ppo` read this."""
+  """A PPO run: `ssmkit train CONFIG` and `train_and_evaluate` read this."""
 
+  # The task kind, which picks the schema.
+  task: str = "ppo"
   env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
   model: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
   ppo: PPOHyperparameters = dataclasses.field(default_factory=PPOHyperparameters)
@@ -112,13 +115,16 @@ class PPOConfig:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
-_CHOICES = {
-    **{key: choices for key, choices in CHOICES.items() if key.startswith("model.")},
+# Each string field with the values it may take.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": ("ppo",),
+    **model.CHOICES,
     "model.pooling": ("none",),
     "model.norm": ("layer", "rms"),
 }
-_MINIMUMS = {
-    **{key: minimum for key, minimum in MINIMUMS.items() if key.startswith("model.")},
+# Each numeric field with the smallest value it may take.
+MINIMUMS: dict[str, float] = {
+    **model.MINIMUMS,
     "env.num_envs": 1,
     "ppo.rollout_steps": 1,
     "ppo.gamma": 0,
@@ -134,7 +140,8 @@ _MINIMUMS = {
     "train.checkpoint_every": 1,
     "train.keep_checkpoints": 1,
 }
-_POSITIVE = ("ppo.clip_eps", "ppo.learning_rate", "ppo.grad_clip")
+# Each numeric field that must be > 0.
+POSITIVE = ("ppo.clip_eps", "ppo.learning_rate", "ppo.grad_clip")
 _AT_MOST_ONE = ("ppo.gamma", "ppo.gae_lambda")
 
 
@@ -144,10 +151,10 @@ def validate(config: PPOConfig) -> PPOConfig:
   Raises:
     ConfigError: naming the first field with a value outside its choices or range.
   """
-  check_values(config, _CHOICES, _MINIMUMS, _POSITIVE)
+  schema.check_values(config, CHOICES, MINIMUMS, POSITIVE)
   for key in _AT_MOST_ONE:
-    if get_field(config, key) > 1:
-      raise ConfigError(f"`{key}` must lie in [0, 1], got {get_field(config, key)}.")
+    if schema.get_field(config, key) > 1:
+      raise ConfigError(f"`{key}` must lie in [0, 1], got {schema.get_field(config, key)}.")
   if config.model.dropout_rate != 0:
     raise ConfigError(
         f"`model.dropout_rate` must be 0 for a policy, which acts without dropout; got "
@@ -157,4 +164,5 @@ def validate(config: PPOConfig) -> PPOConfig:
     raise ConfigError(
         f"`ppo.minibatches`={config.ppo.minibatches} must divide `env.num_envs`={config.env.num_envs}."
     )
+  model.check_layer_kwargs(config.model)
   return config

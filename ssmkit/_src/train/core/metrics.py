@@ -9,12 +9,12 @@ import functools
 import json
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec
+from typing import Any, NamedTuple, ParamSpec
 
 import tqdm
 from matplotlib.figure import Figure
 
-from ssmkit._src.train.parallel import is_primary
+from ssmkit._src.train.core.parallel import is_primary
 
 _Args = ParamSpec("_Args")
 
@@ -68,27 +68,45 @@ def write_summary(path: pathlib.Path, summary: dict[str, Any]) -> None:
   path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
+class Panel(NamedTuple):
+  """One plot of `plot_curves`: some record keys against the x key.
+
+  Attributes:
+    ylabel: the y axis label.
+    curves: (record key, legend label) of every curve.
+    log_scale: a logarithmic y axis.
+  """
+
+  ylabel: str
+  curves: tuple[tuple[str, str], ...]
+  log_scale: bool = False
+
+
 @primary_only
-def plot_curves(records: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
-  """Plots train and test loss and accuracy against the step into a PNG file.
+def plot_curves(records: Sequence[dict[str, Any]], path: pathlib.Path, panels: Sequence[Panel], *,
+                x: str = "step", xlabel: str = "step") -> None:
+  """Plots record values against `x`, one panel beside the other, into a PNG file.
 
   Args:
-    records: `metrics.jsonl` records; train ones have "loss" and "accuracy", eval ones
-      "test_loss" and "test_accuracy".
+    records: `metrics.jsonl` records; a curve takes the records in which its key is not None.
     path: the image file to write.
+    panels: what each panel shows.
+    x: the record key of the x axis.
+    xlabel: the x axis label.
   """
   # A bare Figure renders with Agg and leaves pyplot's global backend alone.
-  figure = Figure(figsize=(10, 4), layout="constrained")
-  for axes, name in zip(figure.subplots(1, 2), ("loss", "accuracy"), strict=True):
-    for key, label in ((name, "train"), (f"test_{name}", "test")):
-      points = [(record["step"], record[key]) for record in records if key in record]
+  figure = Figure(figsize=(5 * len(panels), 4), layout="constrained")
+  for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+    for key, label in panel.curves:
+      points = [(record[x], record[key]) for record in records if record.get(key) is not None]
       if points:
-        steps, values = zip(*points, strict=True)
-        axes.plot(steps, values, marker="o" if len(points) == 1 else None, label=label)
-    axes.set_xlabel("step")
-    axes.set_ylabel(name)
+        xs, ys = zip(*points, strict=True)
+        axes.plot(xs, ys, marker="o" if len(points) == 1 else None, label=label)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(panel.ylabel)
     axes.grid(alpha=0.3)
-    axes.legend()
-  if any("loss" in record for record in records):
-    figure.axes[0].set_yscale("log")
+    if axes.lines:
+      axes.legend()
+      if panel.log_scale:
+        axes.set_yscale("log")
   figure.savefig(path, dpi=100)

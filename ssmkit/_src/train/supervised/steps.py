@@ -1,4 +1,5 @@
-"""The train state and the pure step functions: cross-entropy loss, `train_step`, `eval_step`."""
+"""The pure step functions of supervised training: cross-entropy, `train_step`, `eval_step`, and the
+spans of them that run on the device in one call, `train_steps` and `eval_steps`."""
 
 from __future__ import annotations
 
@@ -9,20 +10,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax.training import train_state
+from jax import lax
+from jax.sharding import NamedSharding
+
+from ssmkit._src.train.core.loop import run_steps
+from ssmkit._src.train.core.model import TrainState
+from ssmkit._src.train.supervised.data import gather
 
 Array = jax.Array
 Batch = dict[str, Array]
-
-
-class TrainState(train_state.TrainState):
-  """Parameters, optimizer state and step, plus the BatchNorm running averages.
-
-  Attributes:
-    batch_stats: the "batch_stats" collection; `{}` for a model without BatchNorm.
-  """
-
-  batch_stats: Any = None
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, example: Batch, key: Array,
@@ -123,7 +119,58 @@ def eval_step(state: TrainState, batch: Batch) -> dict[str, Array]:
   return metric_sums(logits, batch)
 
 
+def train_steps(state: TrainState, arrays: Batch, indices: Array, count: Array, rng: Array, *,
+                sharding: NamedSharding) -> tuple[TrainState, dict[str, Array]]:
+  """`count` train steps in one call, each on the batch it gathers from the resident `arrays`.
+
+  Step i trains on the examples `indices[i]` exactly as `train_step` would on that batch.
+
+  Args:
+    state: the state before the first step.
+    arrays: the train split on the device: "x" `(N, T, F)` or `(N, T)`, "y", optionally "mask".
+    indices: `(K, B)` int32 example indices of the batches; rows past `count` are ignored.
+    count: int32 number of steps, at most K.
+    rng: the run's dropout key (see `train_step`).
+    sharding: how a batch is split over the devices.
+
+  Returns:
+    The state after `count` steps and `(K,)` arrays of every step's `metric_sums` (zero past
+    `count`).
+  """
+  step = lambda state, i: train_step(state, gather(arrays, indices[i], sharding), rng)
+  return run_steps(step, state, count, indices.shape[0])
+
+
+def eval_steps(state: TrainState, arrays: Batch, indices: Array, valid: Array, *,
+               sharding: NamedSharding) -> dict[str, Array]:
+  """`eval_step` on every eval batch, gathered from the resident `arrays`, in one call.
+
+  Args:
+    state: the state to evaluate.
+    arrays: the test split on the device, as `train_steps` takes the train split.
+    indices: `(M, B)` int32 example indices of the batches.
+    valid: `(M, B)` bool, False on padding examples.
+    sharding: how a batch is split over the devices.
+
+  Returns:
+    `(M,)` arrays of every batch's `metric_sums`.
+  """
+
+  def step(_: None, batch: tuple[Array, Array]) -> tuple[None, dict[str, Array]]:
+    batch_indices, batch_valid = batch
+    batch = {**gather(arrays, batch_indices, sharding), "valid": batch_valid}
+    return None, eval_step(state, batch)
+
+  return lax.scan(step, None, (indices, valid))[1]
+
+
 def mean_metrics(sums: dict[str, Any]) -> dict[str, float]:
-  """{"loss", "accuracy"}: the means over the scored targets of (summed) `metric_sums`."""
-  count = max(float(sums["count"]), 1.0)
-  return {"loss": float(sums["loss"]) / count, "accuracy": float(sums["correct"]) / count}
+  """{"loss", "accuracy"}: the means over the scored targets of `metric_sums` of many batches.
+
+  Args:
+    sums: `metric_sums` stacked on a leading axis, one row per batch (NumPy, on the host).
+  """
+  # Added in float32, one batch after the other.
+  total = {key: sum(rows) for key, rows in sums.items()}
+  count = max(float(total["count"]), 1.0)
+  return {"loss": float(total["loss"]) / count, "accuracy": float(total["correct"]) / count}

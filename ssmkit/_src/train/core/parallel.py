@@ -3,12 +3,13 @@
 A run shards every batch over the mesh axis "data" and replicates the parameters and the optimizer
 state; `jax.jit` then runs the step data-parallel, its gradient means and BatchNorm statistics
 reduced over the whole batch, so the run computes what one device would, up to float rounding.
-Every process of a multi-process run builds the same global batch (the data order depends only on
-the seed) and places only the slices its own devices hold.
+Every process of a multi-process run holds the same host values (the dataset, and the data order,
+which depends only on the seed) and places on its own devices only the parts they hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -16,14 +17,26 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ssmkit._src.train.config import MeshConfig
-from ssmkit._src.train.errors import ConfigError
+from ssmkit._src.train.core.errors import ConfigError
 
 DATA_AXIS = "data"
 # Environment variables that `initialize_distributed` reads when its argument is None.
 COORDINATOR_ADDRESS_ENV = "SSMKIT_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "SSMKIT_NUM_PROCESSES"
 PROCESS_ID_ENV = "SSMKIT_PROCESS_ID"
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """The devices a run uses: a one-axis `jax.sharding.Mesh` named "data" that splits every batch.
+
+  Parameters and optimizer state are replicated on every device of the mesh. A run may resume on
+  another number of devices.
+  """
+
+  # Devices on the "data" axis, the first ones of `jax.devices()`; -1: every device of every
+  # process. Must divide the batch size; a multi-process run uses every device.
+  data: int = -1
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

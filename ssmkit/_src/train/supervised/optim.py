@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import optax
 
-from ssmkit._src.train.model import parameter_labels
+from ssmkit._src.train.core.model import parameter_labels
 
 if TYPE_CHECKING:
-  from ssmkit._src.train.config import OptimizerConfig
+  from ssmkit._src.train.supervised.config import OptimizerConfig
 
 
 def learning_rate_schedule(config: OptimizerConfig, peak: float, total_steps: int) -> optax.Schedule:
@@ -39,12 +39,13 @@ def make_optimizer(config: OptimizerConfig, layer: str,
   """Global-norm clipping, then AdamW on three parameter groups.
 
   "decay" (weight matrices): `learning_rate` with `weight_decay`; "no_decay" (biases, norm
-  scales, embeddings, Mamba's A_log, D and biases): `learning_rate`, no decay; "ssm" (the SSM
-  parameters of `ssmkit._src.train.model.LAYERS`): `ssm_learning_rate`, no decay.
+  scales, embeddings, and the parameters the layer's `parameter_groups.no_decay` names):
+  `learning_rate`, no decay; "ssm" (the layer's `parameter_groups.recurrence`):
+  `ssm_learning_rate`, no decay.
 
   Args:
     config: the `optimizer` section of a training config.
-    layer: the config's `model.layer`, which decides the "ssm" group.
+    layer: the config's `model.layer`, whose declared parameter groups decide the labels.
     total_steps: the length of the run, for the schedule.
 
   Returns:

@@ -1,0 +1,267 @@
+"""Supervised training in a workdir: `train_and_evaluate`, `evaluate` and `load`.
+
+`train_and_evaluate` builds everything the config describes (the dataset, the devices, the model,
+the optimizer, the initial state: every config error surfaces here, before anything is written),
+opens the workdir (resuming from its latest checkpoint: the train state, the data order's
+position; the dropout keys derive from the step), then trains in spans of steps that each run in
+one jitted call on the resident data, logs, evaluates and saves as `core.loop` sets the rhythm,
+and at the end writes `summary.json` and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ssmkit import data, layers
+from ssmkit._src.train.core import metrics, parallel, schema
+from ssmkit._src.train.core import workdir as workdirs
+from ssmkit._src.train.core.errors import ConfigError
+from ssmkit._src.train.core.loop import Loop, Rhythm
+from ssmkit._src.train.core.model import TrainState, build_model, count_parameters, variables
+from ssmkit._src.train.supervised.config import Config, DataConfig, TrainConfig, validate
+from ssmkit._src.train.supervised.data import TrainOrder, eval_indices, split_arrays
+from ssmkit._src.train.supervised.optim import learning_rate_schedule, make_optimizer
+from ssmkit._src.train.supervised.steps import create_train_state, eval_steps, mean_metrics, train_steps
+
+# What `curves.png` shows.
+_PANELS = (
+    metrics.Panel("loss", (("loss", "train"), ("test_loss", "test")), log_scale=True),
+    metrics.Panel("accuracy", (("accuracy", "train"), ("test_accuracy", "test"))),
+)
+
+
+class Setup(NamedTuple):
+  """What a config builds before the first step.
+
+  Attributes:
+    dataset: both splits, on the host.
+    mesh: the devices.
+    model: the model.
+    order: the order of the train batches, at its start.
+    total_steps: the run's number of steps.
+    state: the initial train state, replicated over `mesh`.
+    dropout_key: the run's dropout key, replicated over `mesh`.
+  """
+
+  dataset: data.SequenceDataset
+  mesh: Mesh
+  model: layers.SequenceModel
+  order: TrainOrder
+  total_steps: int
+  state: TrainState
+  dropout_key: jax.Array
+
+
+def _load_dataset(config: DataConfig) -> data.SequenceDataset:
+  try:
+    return data.load(config.name, **config.kwargs)
+  except (TypeError, ValueError) as error:
+    raise ConfigError(
+        f"cannot load `data.name`={config.name!r} with `data.kwargs`={config.kwargs}: {error}"
+    ) from error
+
+
+def _check_pooling(config: Config, dataset: data.SequenceDataset) -> None:
+  pooling = config.model.pooling
+  if dataset.per_step and pooling != "none":
+    raise ConfigError(
+        f"`model.pooling` must be 'none' for {config.data.name!r}, which has one target per step; "
+        f"got {pooling!r}."
+    )
+  if not dataset.per_step and pooling == "none":
+    raise ConfigError(
+        f"`model.pooling` must be 'mean' or 'last' for {config.data.name!r}, which has one label per "
+        "sequence; got 'none'."
+    )
+
+
+def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
+  """The length of a run: `steps`, or `epochs` passes of `steps_per_epoch`."""
+  return config.steps or config.epochs * steps_per_epoch
+
+
+def setup(config: Config) -> Setup:
+  """Builds the run of `config` up to its first step; writes nothing.
+
+  Raises:
+    ConfigError: for any value out of range or that does not fit the data or the devices.
+  """
+  validate(config)
+  dataset = _load_dataset(config.data)
+  _check_pooling(config, dataset)
+  mesh = parallel.data_mesh(config.mesh, config.data.batch_size, "data.batch_size")
+  model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
+  order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
+  length = total_steps(config.train, order.steps_per_epoch)
+  tx = make_optimizer(config.optimizer, config.model.layer, length)
+  params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
+  example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
+  state = create_train_state(model, tx, example, params_key, config.model.mode)
+  replicated = parallel.replicated(mesh)
+  return Setup(dataset, mesh, model, order, length, parallel.place(state, replicated),
+               parallel.place(dropout_key, replicated))
+
+
+class _TestSplit(NamedTuple):
+  """The test split on the device and its eval batches, with the jitted `eval_steps`."""
+
+  arrays: dict[str, jax.Array]
+  indices: jax.Array
+  valid: jax.Array
+  eval_steps: Callable[..., dict[str, jax.Array]]
+
+
+def _test_split(run: Setup, batch_size: int) -> _TestSplit:
+  replicated = parallel.replicated(run.mesh)
+  indices, valid = eval_indices(run.dataset.num_test, batch_size)
+  arrays = split_arrays(run.dataset, "test")
+  step = functools.partial(eval_steps, sharding=parallel.split(run.mesh))
+  return _TestSplit(*parallel.place((arrays, indices, valid), replicated),
+                    jax.jit(step, out_shardings=replicated))
+
+
+def _evaluate(test: _TestSplit, state: TrainState) -> dict[str, float]:
+  result = mean_metrics(jax.device_get(test.eval_steps(state, test.arrays, test.indices, test.valid)))
+  return {"test_loss": result["loss"], "test_accuracy": result["accuracy"]}
+
+
+def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
+                       hooks: Sequence[Callable[[int], None]] = ()) -> dict[str, Any]:
+  """Trains the model of `config` in `workdir` and evaluates it on the whole test split.
+
+  Logs train metrics every `train.log_every` steps and test metrics every `train.eval_every`
+  steps and after the last one to `metrics.jsonl`; saves a checkpoint every
+  `train.checkpoint_every` steps, after the last one and on SIGINT/SIGTERM (then raises
+  `Interrupted`). The steps between two of these run in one jitted call. A workdir with
+  checkpoints resumes from the latest one, dropping the metrics logged after it, and continues
+  exactly as an uninterrupted run would. At the end writes `summary.json` and `curves.png`.
+
+  Args:
+    config: the run's config, e.g. from `load_config`.
+    workdir: the run's directory; created if needed.
+    hooks: functions called with the step reached after every jitted call of steps.
+
+  Returns:
+    The summary: "test_loss", "test_accuracy", "steps", "wall_seconds" (over all sessions of the
+    run), "params" (the number of parameters) and "config" (the config as a dict).
+
+  Raises:
+    ConfigError: for a config with values out of range or that does not fit the data, or a
+      workdir holding another run, or this run with another length of its cosine schedule;
+      raised before anything is written.
+    Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
+  """
+  started = time.perf_counter()
+  run = setup(config)
+  previous = workdirs.previous_run(workdir, Config)
+  if previous is not None:
+    workdirs.check_same_run(workdir, previous, config, ("data", "model"))
+    if config.optimizer.schedule == "cosine":
+      length = total_steps(previous.train, run.order.steps_per_epoch)
+      workdirs.check_same_schedule(workdir, "cosine learning-rate schedule", length, run.total_steps,
+                                   "steps", "`train.steps` (or `train.epochs`)")
+  replicated, split = parallel.replicated(run.mesh), parallel.split(run.mesh)
+  train_arrays = parallel.place(split_arrays(run.dataset, "train"), replicated)
+  test = _test_split(run, config.data.batch_size)
+  step_fn = jax.jit(functools.partial(train_steps, sharding=split), out_shardings=replicated)
+  rhythm = Rhythm(run.total_steps, config.train.log_every, config.train.eval_every,
+                  config.train.checkpoint_every)
+  schedule = learning_rate_schedule(config.optimizer, config.optimizer.learning_rate, run.total_steps)
+  batch_size = config.data.batch_size
+
+  with workdirs.Workdir(workdir, config, started) as files:
+    state, progress = files.restore(run.state)
+    if progress:
+      run.order.restore(progress["data"])
+    num_params = count_parameters(state.params)
+    header = (
+        f"{config.model.layer} model with {num_params:,} parameters, {run.total_steps} steps of "
+        f"{batch_size} sequences ({run.total_steps / run.order.steps_per_epoch:.1f} epochs) on "
+        f"{run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
+    )
+    evaluation = None
+    shown = ("loss", "accuracy")
+    with Loop(files, rhythm, header=header, unit="step", shown=shown, hooks=hooks) as loop:
+      for span in loop.spans():
+        indices = parallel.place(run.order.take(span.length, rhythm.max_span), replicated)
+        state, sums = step_fn(state, train_arrays, indices, np.int32(span.length), run.dropout_key)
+        loop.keep(sums, span.length)
+        logged = None
+        if span.log:
+          rows, steps, seconds = loop.fetch()
+          logged = {
+              **mean_metrics(rows),
+              "learning_rate": float(schedule(span.end - 1)),
+              "examples_per_second": steps * batch_size / seconds,
+          }
+        evaluated = _evaluate(test, state) if span.evaluate else None
+        evaluation = evaluated or evaluation
+        loop.end(span, state, {"data": run.order.state()}, logged, evaluated)
+      if evaluation is None:  # The run had already reached its last step.
+        evaluation = _evaluate(test, state)
+        loop.report(files.start, evaluation)
+    summary = {
+        **evaluation,
+        "steps": int(state.step),
+        "wall_seconds": files.wall_seconds(),
+        "params": num_params,
+        "config": schema.to_dict(config),
+    }
+    files.finish(summary, _PANELS)
+  return summary
+
+
+def _restore(workdir: str | pathlib.Path, step: int | None) -> tuple[Config, Setup, int, TrainState]:
+  config = workdirs.saved_config(workdir, Config)
+  run = setup(config)
+  step, state = workdirs.restore(workdir, run.state, step)
+  return config, run, step, state
+
+
+def evaluate(workdir: str | pathlib.Path, step: int | None = None) -> dict[str, Any]:
+  """Evaluates a checkpoint of a `train_and_evaluate` workdir on the whole test split.
+
+  The model and data come from the workdir's `config.yaml`.
+
+  Args:
+    workdir: the run's directory.
+    step: the checkpoint's step; default the latest.
+
+  Returns:
+    {"step": the checkpoint's step, "test_examples", "test_loss", "test_accuracy"}.
+
+  Raises:
+    FileNotFoundError: if `workdir` has no config, or no checkpoint (of `step`).
+    ConfigError: if `workdir` holds a run of another task kind.
+  """
+  config, run, step, state = _restore(workdir, step)
+  test = _evaluate(_test_split(run, config.data.batch_size), state)
+  return {"step": step, "test_examples": run.dataset.num_test, **test}
+
+
+def load(workdir: str | pathlib.Path,
+         step: int | None = None) -> tuple[layers.SequenceModel, dict[str, Any], Config]:
+  """The trained model of a `train_and_evaluate` workdir, its variables at a checkpoint, its config.
+
+  Args:
+    workdir: the run's directory.
+    step: the checkpoint's step; default the latest.
+
+  Returns:
+    `(model, variables, config)`: `model.apply(variables, x, mask)` runs in evaluation mode
+    on the inputs of the config's dataset (e.g. `ssmkit.data.mnist1d(...).x_test`).
+
+  Raises:
+    FileNotFoundError: if `workdir` has no config, or no checkpoint (of `step`).
+    ConfigError: if `workdir` holds a run of another task kind.
+  """
+  config, run, _, state = _restore(workdir, step)
+  return run.model, variables(state), config
