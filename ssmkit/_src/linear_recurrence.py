@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
 from ssmkit._src.engine import axis_position, reduce_leading, scan_leading, vary_alike
@@ -116,95 +117,79 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
   return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
 
 
-def _adjoint(cfg: _Config, a: Decay, g, g_last, reset):
-  """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
+def _tangent(cfg: _Config, a: Decay, u: Array, dh0: Array, reset: Array | None):
+  """(dh_last, dh) of dh_t = a_t * dh_{t-1} + u_t from dh0: the recurrence's tangent map.
 
-  `g_last`, the cotangent of the final state, enters as lambda after the last step instead
-  of being added to a copy of `g`. The sequential mode overwrites `g` with lambda in place
-  (as `_sequential` does with `b`, reading lambda_t back from the written row) and carries
-  c = a_t * lambda_t, so it reads a_t at step t: no shifted copy of `a` is made.
+  It is linear in `u` and `dh0` and written with operations JAX transposes into one
+  reverse recurrence: `lax.scan` in the sequential mode (its transpose is a reverse
+  `lax.scan` that reads the time-varying factors of `a` as they are), the engine's scan in
+  the others. The in-place loop of `_sequential` would transpose into a loop that stores a
+  copy of every a_t.
   """
-  reverse = not cfg.reverse
-  if cfg.mode is Mode.SEQUENTIAL:
-    length = g.shape[0]
+  if cfg.mode is not Mode.SEQUENTIAL:
+    return _scanned(_decay(a, u.shape), u, dh0, reset, cfg)
+  varying = tuple(x for x in a if x.shape[0] != 1)
+  fixed = [x[0] for x in a if x.shape[0] == 1]
 
-    def body(i, carry):
-      c, out = carry
-      t = i if cfg.reverse else length - 1 - i
-      out = lax.dynamic_update_index_in_dim(out, _row(out, t) + c, t, 0)
-      c = _decay_row(a, t) * _row(out, t)
-      if reset is not None:
-        c = jnp.where(_row(reset, t), jnp.zeros_like(c), c)
-      return c, out
+  def body(dh, xs):
+    a_t, u_t, r_t = xs
+    decayed = functools.reduce(operator.mul, [*a_t, *fixed]) * dh
+    if r_t is not None:
+      decayed = jnp.where(r_t, jnp.zeros_like(decayed), decayed)
+    dh = decayed + u_t
+    return dh, dh
 
-    dh0, lam = lax.fori_loop(0, length, body, (g_last, g))
-    return lam, dh0
-  a = _decay(a, g.shape)
-  # The fill multiplies g_last into the first adjoint step; 1 also keeps cumsum finite.
-  a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))
-  r_next = None
+  return lax.scan(body, dh0, (varying, u, reset), reverse=cfg.reverse)
+
+
+def _is_symbolic_zero(t) -> bool:
+  return isinstance(t, SymbolicZero)
+
+
+def _nonzero(t):
+  """A tangent from a `symbolic_zeros` JVP rule, None where it is a symbolic zero."""
+  return None if isinstance(t, SymbolicZero) else t
+
+
+def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array, reset: Array | None):
+  """u_t = da_t * h_{t-1} + db_t, with da_t the tangent of the product of the factors.
+
+  `da` holds one tangent per factor and `db` one for `b`, None where it is zero. h_{t-1} is
+  zeroed at a reset, where the step reads no state: a NaN state before the reset then gives
+  no NaN tangent (or gradient) after it.
+  """
+  u = jnp.zeros_like(h) if db is None else db
+  terms = [
+      functools.reduce(operator.mul, [*a[:i], *a[i + 1 :]], dx)
+      for i, dx in enumerate(da)
+      if dx is not None
+  ]
+  if not terms:
+    return u
+  h_prev = _shift(h, not cfg.reverse, h0)
   if reset is not None:
-    reset = jnp.broadcast_to(reset, g.shape)
-    r_next = _shift(reset, cfg.reverse, jnp.zeros_like(reset[0]))
-  _, lam = _scanned(a_next, g, g_last, r_next, cfg._replace(reverse=reverse))
-  first = _edge(cfg.reverse)
-  dh0 = a[first] * lam[first]
-  if reset is not None:
-    dh0 = jnp.where(reset[first], jnp.zeros_like(dh0), dh0)
-  return lam, dh0
+    h_prev = jnp.where(reset, jnp.zeros_like(h_prev), h_prev)
+  return u + functools.reduce(operator.add, terms).astype(h.dtype) * h_prev
 
 
-def _cotangent_like(x: Array, like: Array) -> Array:
-  """Sums broadcast axes away and drops the imaginary part for a real primal."""
-  axes = tuple(i for i, (n, m) in enumerate(zip(like.shape, x.shape, strict=True)) if n != m)
-  x = x.sum(axes, keepdims=True) if axes else x
-  if not jnp.iscomplexobj(like):
-    x = jnp.real(x)
-  return x.astype(like.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _recurrence(cfg: _Config, a, b, h0, reset):
   h_last, h = _forward(cfg, a, b, h0, reset)
   return h, h_last
 
 
-def _recurrence_fwd(cfg, a, b, h0, reset):
-  h_last, h = _forward(cfg, a, b, h0, reset)
-  return (h, h_last), (a, b, h0, reset, h)
+@functools.partial(_recurrence.defjvp, symbolic_zeros=True)
+def _recurrence_jvp(cfg, primals, tangents):
+  a, b, h0, reset = primals
+  da, db, dh0, _ = jax.tree.map(_nonzero, tangents, is_leaf=_is_symbolic_zero)
+  h, h_last = _recurrence(cfg, a, b, h0, reset)
+  u = _tangent_input(cfg, a, da, db, h, h0, reset)
+  dh_last, dh = _tangent(cfg, a, u, jnp.zeros_like(h0) if dh0 is None else dh0, reset)
+  return (h, h_last), (dh, dh_last)
 
 
-def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
-  dtype = jnp.result_type(h, g, g_last)
-  g, g_last = jnp.asarray(g, dtype), jnp.asarray(g_last, dtype)
-  lam, dh0 = _adjoint(cfg, a, g, g_last, reset)
-  h_prev = _shift(h, not cfg.reverse, h0)
-  da = lam * h_prev
-  if reset is not None:
-    da = jnp.where(reset, jnp.zeros_like(da), da)
-  factor_cotangents = tuple(
-      _cotangent_like(functools.reduce(operator.mul, [*a[:i], *a[i + 1 :]], da), x)
-      for i, x in enumerate(a)
-  )
-  return (
-      factor_cotangents,
-      _cotangent_like(lam, b),
-      _cotangent_like(dh0, h0),
-      None,
-  )
-
-
-def _recurrence_bwd(cfg, residuals, cotangents):
-  a, b, h0, reset, h = residuals
-  g, g_last = cotangents
-  return _gradients(cfg, a, b, h0, reset, h, g, g_last)
-
-
-_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _final(cfg: _Config, a: Decay, b, h0, reset):
+def _fold(cfg: _Config, a: Decay, b, h0, reset):
+  """The last state, folding the steps without storing the states."""
   a = _decay(a, b.shape)
   if reset is None:
     total_a, total_b = reduce_leading(affine, (a, b), mode=cfg.mode, reverse=cfg.reverse,
@@ -216,17 +201,23 @@ def _final(cfg: _Config, a: Decay, b, h0, reset):
   return jnp.where(cut, total_b, total_a * h0 + total_b)
 
 
-def _final_fwd(cfg, a, b, h0, reset):
-  return _final(cfg, a, b, h0, reset), (a, b, h0, reset)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _final(cfg: _Config, a: Decay, b, h0, reset):
+  return _fold(cfg, a, b, h0, reset)
 
 
-def _final_bwd(cfg, residuals, g_last):
-  a, b, h0, reset = residuals
-  _, h = _forward(cfg, a, b, h0, reset)  # recomputed: the forward pass kept no states
-  return _gradients(cfg, a, b, h0, reset, h, jnp.zeros_like(h), g_last)
+@functools.partial(_final.defjvp, symbolic_zeros=True)
+def _final_jvp(cfg, primals, tangents):
+  a, b, h0, reset = primals
+  da, db, dh0, _ = jax.tree.map(_nonzero, tangents, is_leaf=_is_symbolic_zero)
 
+  # Checkpointed: the gradient recomputes the states instead of keeping them.
+  @jax.checkpoint
+  def tangent(a, b, h0, reset, da, db, dh0):
+    _, h = _forward(cfg, a, b, h0, reset)
+    return _fold(cfg, a, _tangent_input(cfg, a, da, db, h, h0, reset), dh0, reset)
 
-_final.defvjp(_final_fwd, _final_bwd)
+  return _final(cfg, a, b, h0, reset), tangent(a, b, h0, reset, da, db, jnp.zeros_like(h0) if dh0 is None else dh0)
 
 
 def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, states: bool):
