@@ -217,7 +217,8 @@ def _final_jvp(cfg, primals, tangents):
     _, h = _forward(cfg, a, b, h0, reset)
     return _fold(cfg, a, _tangent_input(cfg, a, da, db, h, h0, reset), dh0, reset)
 
-  return _final(cfg, a, b, h0, reset), tangent(a, b, h0, reset, da, db, jnp.zeros_like(h0) if dh0 is None else dh0)
+  dh0 = jnp.zeros_like(h0) if dh0 is None else dh0
+  return _final(cfg, a, b, h0, reset), tangent(a, b, h0, reset, da, db, dh0)
 
 
 def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, states: bool):
@@ -317,10 +318,10 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
-    checks.check_broadcasts_to(reset, b.shape, "reset", "b")
+    reset = checks.align_leading(reset, b.shape, axis, "reset", "b")
     if inner is Inner.CUMSUM:
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
-    reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
+    reset = jnp.moveaxis(reset, axis, 0)
   acc = accumulation_dtype(out_dtype)
   a = tuple(
       jnp.moveaxis(x.reshape((1,) * (b.ndim - x.ndim) + x.shape), axis, 0).astype(
@@ -356,11 +357,13 @@ def linear_recurrence(
   `reset[t]` clears the state before step t (h_t = b_t), by selection, so a NaN or Inf
   before a reset never reaches the steps after it.
 
-  The gradient is a custom VJP: one reverse linear recurrence
-  lambda_t = g_t + a_{t+1} lambda_{t+1}, then da_t = lambda_t h_{t-1}, db_t = lambda_t,
-  dh0 = a_0 lambda_0 (JAX's convention: no complex conjugation). It keeps only `a`, `h`
-  and `h0`, like `lax.scan` autodiff, and far less than autodiff through
-  `lax.associative_scan`. bfloat16/float16 inputs accumulate in float32.
+  Every JAX transform applies (`jit`, `vmap`, `grad`, `jvp`, `jacfwd`, `hessian`, ...).
+  Derivatives come from a custom JVP whose tangent is itself a linear recurrence,
+  dh_t = a_t dh_{t-1} + (da_t h_{t-1} + db_t), run in the same mode; reverse mode
+  transposes it into one reverse recurrence lambda_t = g_t + a_{t+1} lambda_{t+1}, then
+  da_t = lambda_t h_{t-1}, db_t = lambda_t, dh0 = a_0 lambda_0 (JAX's convention: no
+  complex conjugation). The sequential mode's gradient keeps only `a`, `h` and `h0`, as
+  `lax.scan` autodiff does. bfloat16/float16 inputs accumulate in float32.
 
   Args:
     a: decay, real or complex, broadcastable to `b` without changing `b`'s shape: per step
@@ -369,10 +372,12 @@ def linear_recurrence(
       sequential mode multiplies them step by step instead of storing the product.
     b: input `(..., T, ...)` with time on `axis`, real or complex.
     h0: initial state, `b`'s shape without the time axis; default zeros.
-    reset: optional boolean flags broadcastable to `b` (e.g. `(T, B, 1)` for `b` of
-      shape `(T, B, D)`); True clears the state before that step.
+    reset: optional booleans lined up with the leading axes of `b`: shaped `b.shape[:k]`
+      for some k > `axis` (time included), broadcast over the axes after them, e.g.
+      `(T,)` or `(T, B)` for `b` of shape `(T, B, D)`, `(B, T)` for `(B, T, D)` with
+      `axis=1`; axes of size 1 broadcast as well. True clears the state before that step.
     reverse: run from the last step to the first.
-    axis: time axis of `b` (and of `a`, `reset` once right-aligned with `b`).
+    axis: time axis of `b` (and of `a` once right-aligned with `b`, and of `reset`).
     mode: "auto", "sequential", "parallel" or "chunked" (see `ssmkit.scan.Mode`).
     chunk_size: chunk length for the chunked mode; default about sqrt(T).
     inner: in-chunk strategy of the chunked mode: "sequential", "parallel" or "cumsum".

@@ -120,8 +120,7 @@ class LRU(nn.Module):
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = self._input(xf, b_re, b_im)
-    flags = None if reset is None else reset[..., None]
-    h, last = linear_recurrence(lam, inputs, initial_state, reset=flags, axis=-2, mode=mode,
+    h, last = linear_recurrence(lam, inputs, initial_state, reset=reset, axis=-2, mode=mode,
                                 return_final_state=True, axis_name=axis_name)
     y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
     return (y, last) if return_state else y

@@ -149,17 +149,16 @@ class S4D(nn.Module):
     """Outputs without the skip term, and the forward state after the last step."""
     a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
     inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
-    flags = None if reset is None else reset[..., None, None]
-    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=flags, axis=-3, mode=mode,
+    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
                                 return_final_state=True)
     y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
     if self.bidirectional:
       # Step t reads the backward state after step t + 1: none when an episode starts there.
-      after = None if flags is None else common.shift_back(flags, axis=-3)
+      after = None if reset is None else common.shift_back(reset, axis=-1)
       h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode)
       h = common.shift_back(h, axis=-3)
       if after is not None:
-        h = jnp.where(after, jnp.zeros_like(h), h)
+        h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
       y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
     return y, last
 

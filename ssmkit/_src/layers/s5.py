@@ -136,13 +136,12 @@ class S5(nn.Module):
     lam_bar, b_bar, c, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = xf.astype(b_bar.dtype) @ b_bar.T
-    flags = None if reset is None else reset[..., None]
-    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=flags, axis=-2, mode=mode,
+    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=reset, axis=-2, mode=mode,
                                 return_final_state=True)
     y = self._read(h, c[0])
     if self.bidirectional:
       # Backwards, step t starts afresh when a new episode starts at t + 1.
-      after = None if flags is None else common.shift_back(flags, axis=-2)
+      after = None if reset is None else common.shift_back(reset, axis=-1)
       h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode)
       y = y + self._read(h, c[1])
     y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
