@@ -471,6 +471,8 @@ def test_jit_equals_no_jit_and_second_call_does_not_retrace(mode):
         (dict(a=jnp.ones(4), b=jnp.ones(4), mode="chunked", chunk_size=0), ValueError, "chunk_size"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), chunk_size=2.5), TypeError, "chunk_size"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), inner="magic"), ValueError, "`inner`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), mode="sequential", inner="cumsum"), ValueError,
+         "`inner`.*mode='sequential'"),
         (dict(a=jnp.ones((4, 3)), b=jnp.ones((4, 3)), h0=jnp.ones(4)), ValueError, "`h0`"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(4)), TypeError, "`reset`"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(5, bool)), ValueError, "`reset`"),

@@ -13,7 +13,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
-from ssmkit._src.engine import axis_position, reduce_leading, scan_leading, vary_alike
+from ssmkit._src.engine import axis_position, reduce_leading, scan_along, vary_alike
 from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
 from ssmkit._src.operators import affine, with_resets
 
@@ -72,11 +72,11 @@ def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: boo
   return lax.fori_loop(0, length, body, (h0, b))
 
 
-def _cumsum_chunks(chunks, reverse: bool):
-  """Closed-form affine scan inside chunks: (P, P * cumsum(b / P)), P the running product."""
-  a, b = chunks
-  p = lax.cumprod(a, axis=1, reverse=reverse)
-  return p, p * lax.cumsum(b / p, axis=1, reverse=reverse)
+def _cumsum_chunk(chunk, reverse: bool):
+  """Closed-form affine scan of a chunk: (P, P * cumsum(b / P)), P the running product."""
+  a, b = chunk
+  p = lax.cumprod(a, axis=0, reverse=reverse)
+  return p, p * lax.cumsum(b / p, axis=0, reverse=reverse)
 
 
 def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
@@ -91,15 +91,15 @@ def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
     op, elems = affine, (a, b)
   else:
     op, elems = with_resets(affine), (reset, (a, b))
-  scan_chunks = _cumsum_chunks if cfg.inner is Inner.CUMSUM else None
-  out = scan_leading(
+  out = scan_along(
       op,
       elems,
+      axis=0,
       mode=cfg.mode,
       reverse=cfg.reverse,
       chunk_size=cfg.chunk_size,
       inner=cfg.inner,
-      scan_chunks=scan_chunks,
+      scan_chunk=_cumsum_chunk if cfg.inner is Inner.CUMSUM else None,
   )
   h = out[1] if reset is None else out[1][1]
   return h[0 if cfg.reverse else -1], h
@@ -300,7 +300,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   checks.check_inexact(b, "b")
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
-  inner = parse_inner(inner, tuple(Inner))
+  inner = parse_inner(inner, tuple(Inner), mode)
   if axis_name is not None:
     axis_position(axis_name)
   if b.ndim == 0:

@@ -52,10 +52,19 @@ def parse_mode(mode: str | Mode) -> Mode:
     raise ValueError(f"`mode` must be one of {names}, got {mode!r}.") from None
 
 
-def parse_inner(inner: str | Inner | None, allowed: tuple[Inner, ...]) -> Inner | None:
-  """Validates a chunk-inner strategy against the ones the caller supports."""
+def parse_inner(inner: str | Inner | None, allowed: tuple[Inner, ...], mode: Mode) -> Inner | None:
+  """Validates a chunk-inner strategy against the ones the caller supports and `mode`.
+
+  `inner` belongs to the chunked mode, so it is refused with a mode that never chunks; with
+  "auto" it applies when the rule picks the chunked mode.
+  """
   if inner is None:
     return None
+  if mode in (Mode.SEQUENTIAL, Mode.PARALLEL):
+    raise ValueError(
+        f"`inner` chooses how the chunked mode scans inside a chunk; it has no meaning with "
+        f"mode={mode.value!r}: leave it out, or use mode='chunked' or 'auto'."
+    )
   names = ", ".join(repr(i.value) for i in allowed)
   try:
     value = Inner(inner)
