@@ -11,6 +11,7 @@ from flax import nnx
 
 from ssmkit import layers
 from ssmkit._src import hippo
+from ssmkit.scan import Mode
 
 # Every layer, small enough for fast tests.
 LAYERS = {
@@ -331,6 +332,24 @@ def test_s4d_rejects_bad_configuration():
   params = layers.S4D(d_state=4).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="cannot take `reset`"):
     layers.S4D(d_state=4).apply(params, x, jnp.zeros(4, bool), mode="convolution")
+
+
+def test_s4d_auto_as_enum_or_string_takes_the_same_path():
+  layer = layers.S4D(d_state=4)
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  convolved = layer.apply(params, x, mode="convolution")
+  # Bit for bit: both convolve (the recurrence rounds differently).
+  np.testing.assert_array_equal(layer.apply(params, x, mode=Mode.AUTO), convolved)
+  np.testing.assert_array_equal(layer.apply(params, x, mode="auto"), convolved)
+
+
+@pytest.mark.parametrize("factory", [layers.LRU, layers.S4D, layers.S5, layers.Mamba],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("d_state", [0, -2, 2.5])
+def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):
+  with pytest.raises(ValueError, match="`d_state` must be a positive int"):
+    factory(d_state=d_state).init(jax.random.key(0), _x((2, 5, 4)))
 
 
 def _s5_reference(layer, params, x, reset=None):

@@ -381,7 +381,7 @@ def associative_scan(
     )
   elems = treedef.unflatten(leaves)
   fn = _checked(fn)
-  mode = resolve_mode(mode, length)
+  mode = resolve_mode(mode)
   out = scan_along(fn, elems, axis=axis, mode=mode, reverse=reverse, chunk_size=chunk_size,
                    inner=inner)
   seam = None

@@ -27,6 +27,7 @@ class _Config(NamedTuple):
   mode: Mode
   chunk_size: int | None
   inner: Inner | None
+  in_place: bool  # whether the sequential mode may overwrite `b`
 
 
 def _edge(reverse: bool) -> int:
@@ -48,14 +49,19 @@ def _decay(a: Decay, shape: tuple[int, ...]) -> Array:
   return jnp.broadcast_to(functools.reduce(operator.mul, a), shape)
 
 
-def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: bool):
+def _zeros_if_none(h0: Array | None, like: Array) -> Array:
+  """`h0`, or the zero state of a time-leading `like` when there is none."""
+  return jnp.zeros_like(like[0]) if h0 is None else h0
+
+
+def _in_place(a: Decay, b: Array, h0: Array | None, reset: Array | None, reverse: bool):
   """A loop that overwrites `b` with `h` in place, reading a_t from the factors of `a`.
 
-  Writing into `b` instead of stacking `lax.scan` outputs saves the zero-filled output
-  buffer; when `b` is computed in the same program (the usual case) no copy is made, which
-  halves the time of a memory-bound recurrence on CPU. The carry is read back from the
-  written row: were it computed beside the write, XLA could schedule a read of the old row
-  after the write and would copy the whole buffer every step to stay correct.
+  Writing into `b` saves the zero-filled output buffer of a `lax.scan` when `b` is a buffer
+  of this program that nothing reads afterwards; XLA would copy an argument of the program
+  first, which costs more than the buffer saved. The carry is read back from the written
+  row: were it computed beside the write, XLA could schedule a read of the old row after
+  the write and would copy the whole buffer every step to stay correct.
   """
   length = b.shape[0]
 
@@ -69,7 +75,28 @@ def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: boo
     out = lax.dynamic_update_index_in_dim(out, h, t, 0)
     return _row(out, t), out
 
-  return lax.fori_loop(0, length, body, (h0, b))
+  return lax.fori_loop(0, length, body, (_zeros_if_none(h0, b), b))
+
+
+def _stacked(a: Decay, b: Array, h0: Array | None, reset: Array | None, reverse: bool):
+  """`lax.scan` over the steps, stacking the states; returns `(h_last, h)`.
+
+  Time-varying factors of `a` are scanned as they are and time-invariant ones enter as
+  constants, so reverse mode, transposing this scan into a reverse `lax.scan`, stores no
+  copy of a_t.
+  """
+  varying = tuple(x for x in a if x.shape[0] != 1)
+  fixed = [x[0] for x in a if x.shape[0] == 1]
+
+  def body(h, xs):
+    a_t, b_t, r_t = xs
+    decayed = functools.reduce(operator.mul, [*a_t, *fixed]) * h
+    if r_t is not None:
+      decayed = jnp.where(r_t, jnp.zeros_like(decayed), decayed)
+    h = decayed + b_t
+    return h, h
+
+  return lax.scan(body, _zeros_if_none(h0, b), (varying, b, reset), reverse=reverse)
 
 
 def _cumsum_chunk(chunk, reverse: bool):
@@ -79,14 +106,16 @@ def _cumsum_chunk(chunk, reverse: bool):
   return p, p * lax.cumsum(b / p, axis=0, reverse=reverse)
 
 
-def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
+def _scanned(a: Array, b: Array, h0: Array | None, reset: Array | None, cfg: _Config):
   """The parallel and chunked modes: the affine operator through the scan engine."""
   first = _edge(cfg.reverse)
-  entry = a[first] * h0 + b[first]
-  if reset is not None:
-    reset = jnp.broadcast_to(reset, b.shape)
-    entry = jnp.where(reset[first], b[first], entry)
-  b = b.at[first].set(entry)
+  # Without `h0` (zeros) the first element is already h at the first step: writing it, and
+  # with it copying a `b` that is an argument of the program, is skipped.
+  if h0 is not None:
+    entry = a[first] * h0 + b[first]
+    if reset is not None:
+      entry = jnp.where(reset[first], b[first], entry)
+    b = b.at[first].set(entry)
   if reset is None:
     op, elems = affine, (a, b)
   else:
@@ -106,8 +135,11 @@ def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
 
 
 def _forward(cfg: _Config, a: Decay, b, h0, reset):
-  if cfg.mode is Mode.SEQUENTIAL:
-    return _sequential(a, b, h0, reset, cfg.reverse)
+  match cfg.mode:
+    case Mode.SEQUENTIAL if cfg.in_place:
+      return _in_place(a, b, h0, reset, cfg.reverse)
+    case Mode.SEQUENTIAL:
+      return _stacked(a, b, h0, reset, cfg.reverse)
   return _scanned(_decay(a, b.shape), b, h0, reset, cfg)
 
 
@@ -117,29 +149,16 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
   return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
 
 
-def _tangent(cfg: _Config, a: Decay, u: Array, dh0: Array, reset: Array | None):
+def _tangent(cfg: _Config, a: Decay, u: Array, dh0: Array | None, reset: Array | None):
   """(dh_last, dh) of dh_t = a_t * dh_{t-1} + u_t from dh0: the recurrence's tangent map.
 
   It is linear in `u` and `dh0` and written with operations JAX transposes into one
-  reverse recurrence: `lax.scan` in the sequential mode (its transpose is a reverse
-  `lax.scan` that reads the time-varying factors of `a` as they are), the engine's scan in
-  the others. The in-place loop of `_sequential` would transpose into a loop that stores a
-  copy of every a_t.
+  reverse recurrence: `lax.scan` in the sequential mode (the in-place loop would transpose
+  into a loop that stores a copy of every a_t), the engine's scan in the others.
   """
-  if cfg.mode is not Mode.SEQUENTIAL:
-    return _scanned(_decay(a, u.shape), u, dh0, reset, cfg)
-  varying = tuple(x for x in a if x.shape[0] != 1)
-  fixed = [x[0] for x in a if x.shape[0] == 1]
-
-  def body(dh, xs):
-    a_t, u_t, r_t = xs
-    decayed = functools.reduce(operator.mul, [*a_t, *fixed]) * dh
-    if r_t is not None:
-      decayed = jnp.where(r_t, jnp.zeros_like(decayed), decayed)
-    dh = decayed + u_t
-    return dh, dh
-
-  return lax.scan(body, dh0, (varying, u, reset), reverse=cfg.reverse)
+  if cfg.mode is Mode.SEQUENTIAL:
+    return _stacked(a, u, dh0, reset, cfg.reverse)
+  return _scanned(_decay(a, u.shape), u, dh0, reset, cfg)
 
 
 def _is_symbolic_zero(t) -> bool:
@@ -151,7 +170,8 @@ def _nonzero(t):
   return None if isinstance(t, SymbolicZero) else t
 
 
-def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array, reset: Array | None):
+def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array | None,
+                   reset: Array | None):
   """u_t = da_t * h_{t-1} + db_t, with da_t the tangent of the product of the factors.
 
   `da` holds one tangent per factor and `db` one for `b`, None where it is zero. h_{t-1} is
@@ -166,7 +186,7 @@ def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array, reset: A
   ]
   if not terms:
     return u
-  h_prev = _shift(h, not cfg.reverse, h0)
+  h_prev = _shift(h, not cfg.reverse, _zeros_if_none(h0, h))
   if reset is not None:
     h_prev = jnp.where(reset, jnp.zeros_like(h_prev), h_prev)
   return u + functools.reduce(operator.add, terms).astype(h.dtype) * h_prev
@@ -184,7 +204,7 @@ def _recurrence_jvp(cfg, primals, tangents):
   da, db, dh0, _ = jax.tree.map(_nonzero, tangents, is_leaf=_is_symbolic_zero)
   h, h_last = _recurrence(cfg, a, b, h0, reset)
   u = _tangent_input(cfg, a, da, db, h, h0, reset)
-  dh_last, dh = _tangent(cfg, a, u, jnp.zeros_like(h0) if dh0 is None else dh0, reset)
+  dh_last, dh = _tangent(cfg, a, u, dh0, reset)
   return (h, h_last), (dh, dh_last)
 
 
@@ -194,11 +214,11 @@ def _fold(cfg: _Config, a: Decay, b, h0, reset):
   if reset is None:
     total_a, total_b = reduce_leading(affine, (a, b), mode=cfg.mode, reverse=cfg.reverse,
                                       chunk_size=cfg.chunk_size)
-    return total_a * h0 + total_b
+    return total_b if h0 is None else total_a * h0 + total_b
   reset = jnp.broadcast_to(reset, b.shape)
   cut, (total_a, total_b) = reduce_leading(with_resets(affine), (reset, (a, b)), mode=cfg.mode,
                                            reverse=cfg.reverse, chunk_size=cfg.chunk_size)
-  return jnp.where(cut, total_b, total_a * h0 + total_b)
+  return total_b if h0 is None else jnp.where(cut, total_b, total_a * h0 + total_b)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -217,7 +237,6 @@ def _final_jvp(cfg, primals, tangents):
     _, h = _forward(cfg, a, b, h0, reset)
     return _fold(cfg, a, _tangent_input(cfg, a, da, db, h, h0, reset), dh0, reset)
 
-  dh0 = jnp.zeros_like(h0) if dh0 is None else dh0
   return _final(cfg, a, b, h0, reset), tangent(a, b, h0, reset, da, db, dh0)
 
 
@@ -239,7 +258,7 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
   """
   index, size = axis_position(axis_name)
   entry = index == (size - 1 if cfg.reverse else 0)
-  h0 = jnp.where(entry, h0, jnp.zeros_like(h0))
+  h0 = None if h0 is None else jnp.where(entry, h0, jnp.zeros_like(h0))
   length = b.shape[0]
   total_a = functools.reduce(
       operator.mul, [x[0] ** length if x.shape[0] == 1 else jnp.prod(x, axis=0) for x in a]
@@ -264,7 +283,7 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
   h_final = lax.psum(jnp.where(index == 0, h_final, jnp.zeros_like(h_final)), axis_name)
   if not states:
     return h_final
-  carry = jnp.where(entry, h0, carries[index])
+  carry = carries[index] if h0 is None else jnp.where(entry, h0, carries[index])
   h, _ = _recurrence(cfg, a, b, carry, reset)
   return h, h_final
 
@@ -281,7 +300,7 @@ class _Prepared(NamedTuple):
   cfg: _Config
   a: Decay
   b: Array
-  h0: Array
+  h0: Array | None
   reset: Array | None
   axis: int
   out_dtype: jnp.dtype
@@ -329,10 +348,14 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
       )
       for x in factors
   )
+  b_given = b
   b = jnp.moveaxis(b, axis, 0).astype(acc)
-  h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
+  h0 = None if h0 is None else h0.astype(acc)
   a, b, h0 = vary_alike((a, b, h0))
-  cfg = _Config(bool(reverse), resolve_mode(mode, b.shape[0]), chunk_size, inner)
+  # `b` is a buffer of its own once moved or cast, which the sequential loop may overwrite;
+  # the caller's `b` may be an argument of the program, which XLA would copy first.
+  own = b_given.dtype != acc or any(n > 1 for n in b_given.shape[:axis])
+  cfg = _Config(bool(reverse), resolve_mode(mode), chunk_size, inner, own)
   return _Prepared(cfg, a, b, h0, reset, axis, out_dtype)
 
 
@@ -420,7 +443,7 @@ def linear_recurrence(
   """
   p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   if p.b.shape[0] == 0:
-    h, h_last = p.b, p.h0
+    h, h_last = p.b, _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype))
   elif axis_name is None:
     h, h_last = _recurrence(p.cfg, p.a, p.b, p.h0, p.reset)
   else:
@@ -461,7 +484,7 @@ def linear_recurrence_final_state(
   """
   p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None, axis_name)
   if p.b.shape[0] == 0:
-    return p.h0.astype(p.out_dtype)
+    return _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype)).astype(p.out_dtype)
   if axis_name is None:
     return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)
   h_final = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=False)

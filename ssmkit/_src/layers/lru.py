@@ -63,6 +63,10 @@ class LRU(nn.Module):
   max_phase: float = 2 * math.pi
   param_dtype: jnp.dtype = jnp.float32
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   @nn.compact
   def _parameters(self, features: int) -> tuple[Array, Array, Array, Array, Array, Array]:
     """(lambda, B_re, B_im (gamma-scaled, `(N, H)`), C_re, C_im `(H, N)`, D `(H,)`)."""

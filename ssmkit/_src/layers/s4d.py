@@ -12,6 +12,7 @@ import numpy as np
 from ssmkit._src import discretization, hippo
 from ssmkit._src.layers import common
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.modes import Mode, parse_mode
 
 Array = jax.Array
 
@@ -48,8 +49,12 @@ class S4D(nn.Module):
   bidirectional: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   def _initial_modes(self) -> tuple[np.ndarray, np.ndarray]:
-    if self.d_state < 2 or self.d_state % 2:
+    if self.d_state % 2:
       raise ValueError(f"`d_state` must be a positive even int, got {self.d_state!r}.")
     modes = self.d_state // 2
     if self.a_init == "legs":
@@ -88,7 +93,7 @@ class S4D(nn.Module):
     powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
     return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Array | None = None, return_state: bool = False
                ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
@@ -115,7 +120,8 @@ class S4D(nn.Module):
           "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
       )
     common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
-    if mode == "auto" and reset is None and not stateful:
+    mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
+    if mode is Mode.AUTO and reset is None and not stateful:
       mode = CONVOLUTION
     length, features = x.shape[-2:]
     xf = x.astype(accumulation_dtype(x.dtype))
@@ -144,7 +150,7 @@ class S4D(nn.Module):
       y = y + common.shift_back(backward, axis=-2)
     return y
 
-  def _recurrence(self, x: Array, reset: Array | None, mode: str, initial_state: Array | None
+  def _recurrence(self, x: Array, reset: Array | None, mode: Mode, initial_state: Array | None
                   ) -> tuple[Array, Array]:
     """Outputs without the skip term, and the forward state after the last step."""
     a_bar, b_bar, c, _ = self._parameters(x.shape[-1])

@@ -63,6 +63,10 @@ class S5(nn.Module):
   bidirectional: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   def _eigenbasis(self) -> tuple[np.ndarray, np.ndarray]:
     """Initial Lambda `(modes,)` and V `(P, modes)`, complex128."""
     p, j = self.d_state, self.blocks

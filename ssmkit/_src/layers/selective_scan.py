@@ -16,7 +16,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
-from ssmkit._src.modes import Mode, default_chunk_size, parse_mode, resolve_mode
+from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array
 # Inside, time leads in chunks and batch axes are flattened: u, dt `(n, L, B, D)`, b, c
@@ -117,6 +117,17 @@ def _materialised(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> tup
   return y, last
 
 
+def _resolve(mode: Mode, length: int) -> Mode:
+  """`auto`: the fused loop on CPU (the fastest there) and for T <= 64, else chunked.
+
+  Not the rule of `linear_recurrence`: the parallel mode holds the `(..., T, D, N)` states
+  of the whole sequence at once, a chunk's worth of them is enough.
+  """
+  if mode is not Mode.AUTO:
+    return mode
+  return Mode.SEQUENTIAL if jax.default_backend() == "cpu" or length <= 64 else Mode.CHUNKED
+
+
 def _check_real(x: Array, name: str) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
@@ -192,7 +203,7 @@ def selective_scan(
     checks.check_bool(reset, "reset")
     checks.check_shape(reset, u.shape[:-1], "reset", "`u` without its feature axis")
   checks.check_chunk_size(chunk_size)
-  mode = resolve_mode(parse_mode(mode), length)
+  mode = _resolve(parse_mode(mode), length)
   acc = accumulation_dtype(dtype)
   h0 = jnp.zeros((*batch, d, n), acc) if h0 is None else h0.astype(acc)
   if length == 0:
