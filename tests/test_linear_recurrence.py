@@ -342,6 +342,36 @@ def test_gradient_temp_memory_stays_at_lax_scan_autodiff():
   assert temp_bytes(lambda a, b: linear_recurrence(a, b, mode="sequential")) <= temp_bytes(plain_scan)
 
 
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+def test_an_argument_b_is_not_copied(mode):
+  # Writing states over an argument `b` (or h0 into its first row) makes XLA copy it first:
+  # a whole extra pass over memory in a memory-bound recurrence.
+  a = jnp.full((64, 8), 0.9, jnp.float32)
+  b = jnp.ones((64, 8), jnp.float32)
+  f = jax.jit(lambda a, b: linear_recurrence(a, b, mode=mode, chunk_size=8))
+  assert "f32[64,8]{1,0} copy(" not in f.lower(a, b).compile().as_text()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_overwrite_b_is_a_speed_hint_that_keeps_the_result(reverse):
+  rng = np.random.default_rng(15)
+  a, b = _inputs(rng, (29, 3), np.float64)
+  h0 = rng.normal(size=3)
+  reset = rng.uniform(size=29) < 0.2
+  expected = references.linear_recurrence(a, b, h0, _leading(reset, 2), reverse)
+  for overwrite_b in (False, True):
+    run = jax.jit(lambda a, b, h0, w=overwrite_b: linear_recurrence(
+        a, 2.0 * b, h0, reset=reset, reverse=reverse, mode="sequential", overwrite_b=w))
+    _assert_close(run(a, b / 2.0, h0), expected, np.float64)
+    grads = jax.jit(jax.grad(lambda a, b, w=overwrite_b: jnp.sum(jnp.sin(linear_recurrence(
+        a, b, h0, reset=reset, reverse=reverse, mode="sequential", overwrite_b=w))),
+        argnums=(0, 1)))(a, b)
+    ref = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(_sequential_reference(
+        a, b, h0, reset[:, None], reverse))), argnums=(0, 1)))(a, b)
+    for g, r in zip(grads, ref, strict=True):
+      np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
+
+
 def test_real_decay_complex_input_gives_real_gradient():
   rng = np.random.default_rng(6)
   a = rng.uniform(0.5, 1.0, (9, 2))

@@ -306,7 +306,8 @@ class _Prepared(NamedTuple):
   out_dtype: jnp.dtype
 
 
-def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name) -> _Prepared:
+def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name,
+             overwrite_b=False) -> _Prepared:
   """Checks the arguments, moves time to the front and casts to the accumulation dtype."""
   factors = tuple(a) if isinstance(a, (tuple, list)) else (a,)
   if not factors:
@@ -355,7 +356,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   # `b` is a buffer of its own once moved or cast, which the sequential loop may overwrite;
   # the caller's `b` may be an argument of the program, which XLA would copy first.
   own = b_given.dtype != acc or any(n > 1 for n in b_given.shape[:axis])
-  cfg = _Config(bool(reverse), resolve_mode(mode), chunk_size, inner, own)
+  cfg = _Config(bool(reverse), resolve_mode(mode), chunk_size, inner, bool(overwrite_b) or own)
   return _Prepared(cfg, a, b, h0, reset, axis, out_dtype)
 
 
@@ -372,6 +373,7 @@ def linear_recurrence(
     inner: str | Inner | None = None,
     return_final_state: bool = False,
     axis_name: Hashable | None = None,
+    overwrite_b: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Computes h_t = a_t * h_{t-1} + b_t along `axis`, starting from h_{-1} = h0.
 
@@ -419,6 +421,12 @@ def linear_recurrence(
       the same collectives. `h0` is read on the device holding the first step (the last
       when `reverse`), and the final state is the whole sequence's, the same on every
       device. Any `mode` runs the local slices.
+    overwrite_b: a speed hint for the sequential mode, which never changes the result:
+      write each state over `b` instead of into a new buffer. That saves a pass over
+      memory when `b` is computed inside the same jitted program and read nowhere else
+      (`b = x @ B` in a layer); when `b` is an argument of the program or still read
+      later, XLA copies it first, which costs more than it saves. The states are written
+      over a moved or cast copy of `b` anyway.
 
   Returns:
     `h` with `b`'s shape and the promoted dtype of `a`, `b` (and `h0`); with
@@ -441,7 +449,7 @@ def linear_recurrence(
     Martin & Cundy, "Parallelizing linear recurrent neural nets over sequence length",
     ICLR 2018; Blelloch, "Prefix sums and their applications", 1990.
   """
-  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name, overwrite_b)
   if p.b.shape[0] == 0:
     h, h_last = p.b, _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype))
   elif axis_name is None:

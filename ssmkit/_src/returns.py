@@ -166,7 +166,8 @@ def _lambda_recurrence(
     decay = (traj.discounts, lambda_)
     inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
   returns = linear_recurrence(
-      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name
+      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name,
+      overwrite_b=next_values is not None,  # computed here, unless they are the rewards
   )
   return _finish(returns, traj, stop_target_gradients)
 
@@ -380,7 +381,8 @@ def generalized_advantage_estimation(
   v_t, lambda_ = _cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
-      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name
+      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name,
+      overwrite_b=True,
   )
   return _finish(advantages, traj, stop_target_gradients)
 

@@ -125,7 +125,8 @@ class LRU(nn.Module):
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = self._input(xf, b_re, b_im)
     h, last = linear_recurrence(lam, inputs, initial_state, reset=reset, axis=-2, mode=mode,
-                                return_final_state=True, axis_name=axis_name)
+                                return_final_state=True, axis_name=axis_name,
+                                overwrite_b=True)
     y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
     return (y, last) if return_state else y
 

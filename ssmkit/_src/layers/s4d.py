@@ -155,13 +155,15 @@ class S4D(nn.Module):
     """Outputs without the skip term, and the forward state after the last step."""
     a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
     inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
+    # The last recurrence to read `inputs` may write its states over them.
     h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
-                                return_final_state=True)
+                                return_final_state=True, overwrite_b=not self.bidirectional)
     y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
     if self.bidirectional:
       # Step t reads the backward state after step t + 1: none when an episode starts there.
       after = None if reset is None else common.shift_back(reset, axis=-1)
-      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode)
+      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode,
+                            overwrite_b=True)
       h = common.shift_back(h, axis=-3)
       if after is not None:
         h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
