@@ -48,10 +48,10 @@ def vary_alike(tree: PyTree) -> PyTree:
   """Every leaf of `tree` cast to vary over each manual mesh axis that any leaf varies over.
 
   Inside `shard_map`, a `lax.scan` carry must vary like the elements combined into it (a
-  constant identity, such as the unit matrix of `matrix_affine`, varies over no axis), and
-  a custom VJP must return cotangents that vary like its inputs (a replicated decay used
-  on sharded inputs gets a per-device cotangent, summed over devices by the cast's
-  transpose). Outside `shard_map` nothing varies and `tree` is returned as it is.
+  constant identity, such as the unit matrix of `matrix_affine`, or a replicated h0 of a
+  sharded recurrence, varies over no axis); the cast's transpose sums a replicated
+  input's per-device cotangents over the devices. Outside `shard_map` nothing varies and
+  `tree` is returned as it is.
   """
   leaves = jax.tree.leaves(tree)
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in leaves))

@@ -1,4 +1,5 @@
-"""The linear recurrence h_t = a_t * h_{t-1} + b_t, with a custom VJP that is one reverse scan."""
+"""The linear recurrence h_t = a_t * h_{t-1} + b_t, with a custom JVP whose transpose is one
+reverse scan."""
 
 from __future__ import annotations
 
@@ -161,13 +162,10 @@ def _tangent(cfg: _Config, a: Decay, u: Array, dh0: Array | None, reset: Array |
   return _scanned(_decay(a, u.shape), u, dh0, reset, cfg)
 
 
-def _is_symbolic_zero(t) -> bool:
-  return isinstance(t, SymbolicZero)
-
-
-def _nonzero(t):
-  """A tangent from a `symbolic_zeros` JVP rule, None where it is a symbolic zero."""
-  return None if isinstance(t, SymbolicZero) else t
+def nonzero_tangents(tangents):
+  """The tangents a `symbolic_zeros` JVP rule gets, with None for each symbolic zero."""
+  return jax.tree.map(lambda t: None if isinstance(t, SymbolicZero) else t, tangents,
+                      is_leaf=lambda t: isinstance(t, SymbolicZero))
 
 
 def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array | None,
@@ -201,7 +199,7 @@ def _recurrence(cfg: _Config, a, b, h0, reset):
 @functools.partial(_recurrence.defjvp, symbolic_zeros=True)
 def _recurrence_jvp(cfg, primals, tangents):
   a, b, h0, reset = primals
-  da, db, dh0, _ = jax.tree.map(_nonzero, tangents, is_leaf=_is_symbolic_zero)
+  da, db, dh0, _ = nonzero_tangents(tangents)
   h, h_last = _recurrence(cfg, a, b, h0, reset)
   u = _tangent_input(cfg, a, da, db, h, h0, reset)
   dh_last, dh = _tangent(cfg, a, u, dh0, reset)
@@ -229,7 +227,7 @@ def _final(cfg: _Config, a: Decay, b, h0, reset):
 @functools.partial(_final.defjvp, symbolic_zeros=True)
 def _final_jvp(cfg, primals, tangents):
   a, b, h0, reset = primals
-  da, db, dh0, _ = jax.tree.map(_nonzero, tangents, is_leaf=_is_symbolic_zero)
+  da, db, dh0, _ = nonzero_tangents(tangents)
 
   # Checkpointed: the gradient recomputes the states instead of keeping them.
   @jax.checkpoint

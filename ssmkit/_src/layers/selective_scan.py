@@ -12,10 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence, nonzero_tangents
 from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array
@@ -55,11 +54,6 @@ def _fused(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> tuple[Arra
   return y.reshape(xs[0].shape), last
 
 
-def _nonzero(t):
-  """A tangent of a `symbolic_zeros` JVP rule, None where it is a symbolic zero."""
-  return None if isinstance(t, SymbolicZero) else t
-
-
 @functools.partial(_fused.defjvp, symbolic_zeros=True)
 def _fused_jvp(primals, tangents):
   """States and their tangents advance together, one chunk at a time.
@@ -69,7 +63,7 @@ def _fused_jvp(primals, tangents):
   `(..., T, D, N)` states are never all stored.
   """
   a_t, h0, xs, reset = primals
-  da_t, dh0, dxs, _ = jax.tree.map(_nonzero, tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))
+  da_t, dh0, dxs, _ = nonzero_tangents(tangents)
   dh0 = jnp.zeros_like(h0) if dh0 is None else dh0
   if da_t is not None:
     # Per batch element, so the gradient accumulates dA elementwise, step by step, and sums
