@@ -124,9 +124,9 @@ def _align_flags(flags: jnp.ndarray, leaf: jnp.ndarray) -> jnp.ndarray:
 
 def _pair(element: PyTree) -> tuple[jnp.ndarray, PyTree]:
   """Checks that an element of a segmented scan is a `(reset, value)` pair of booleans and values."""
-  if not (isinstance(element, (tuple, list)) and len(element) == 2):
-    what = f"a {type(element).__name__} of {len(element)}" if isinstance(element, (tuple, list)) else (
-        f"{type(element).__name__}")
+  sequence = isinstance(element, (tuple, list))
+  if not (sequence and len(element) == 2):
+    what = f"a {type(element).__name__} of {len(element)}" if sequence else type(element).__name__
     raise TypeError(
         "`with_resets(fn)` scans `(reset, value)` pairs: pass elems as `(flags, value)` with "
         f"boolean flags and `value` a pytree `fn` combines, got {what}."
