@@ -1,6 +1,7 @@
 """The `ssmkit` command line.
 
     ssmkit bench {scan,rl,layers,sequence-parallel} [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit bench all [--shapes small|full] [--repeats N] [--markdown] [--budget-s S] [--output FILE]
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
     ssmkit configs
@@ -44,20 +45,40 @@ def _run_benchmark(args: argparse.Namespace) -> int:
   return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown, **options)
 
 
+def _run_all(args: argparse.Namespace) -> int:
+  from ssmkit.bench import report
+
+  output = args.output or pathlib.Path("bench-report.md" if args.markdown else "bench-report.txt")
+  return report.run_all({name: module for name, (module, _) in _BENCHMARKS.items()},
+                        shapes=args.shapes, repeats=args.repeats, markdown=args.markdown,
+                        budget_s=args.budget_s, output=output)
+
+
+def _positive_float(text: str) -> float:
+  value = float(text)
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+  return value
+
+
+def _add_common_bench_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "--shapes",
+      choices=("full", "small"),
+      default="full",
+      help="'full' (minutes) or 'small' (seconds, for tests); default: full",
+  )
+  parser.add_argument(
+      "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
+  )
+  parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+
+
 def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
   benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
   for name, (_, text) in _BENCHMARKS.items():
     parser = benchmarks.add_parser(name, help=text, description=text)
-    parser.add_argument(
-        "--shapes",
-        choices=("full", "small"),
-        default="full",
-        help="'full' (minutes) or 'small' (seconds, for tests); default: full",
-    )
-    parser.add_argument(
-        "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
-    )
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    _add_common_bench_flags(parser)
     if name == "layers":
       parser.add_argument(
           "--layers", nargs="+", metavar="LAYER",
@@ -65,6 +86,21 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
           "among them; default: every layer of the suite",
       )
     parser.set_defaults(run=_run_benchmark)
+  text = (f"every benchmark above ({', '.join(_BENCHMARKS)}) in one run: each table printed as "
+          "it finishes, all of them written to one report")
+  parser = benchmarks.add_parser("all", help=text, description=text)
+  _add_common_bench_flags(parser)
+  parser.add_argument(
+      "--budget-s", type=_positive_float, default=None, metavar="S",
+      help="seconds the run may take: a shape starts only while the time left is at least the "
+           "longest shape of its benchmark so far; the report lists what was skipped; "
+           "default: no limit",
+  )
+  parser.add_argument(
+      "--output", type=pathlib.Path, default=None, metavar="FILE",
+      help="the report; default: bench-report.md (with --markdown) or bench-report.txt",
+  )
+  parser.set_defaults(run=_run_all)
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -1,7 +1,11 @@
 """`associative_scan`: every operator and mode against a float64 loop and lax.associative_scan."""
 
+import collections
+import operator
+
 import jax
 import jax.numpy as jnp
+import jax.scipy as jsp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -124,6 +128,7 @@ def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, rever
   rng = np.random.default_rng(length)
   elems = {"a": rng.uniform(0.5, 1.0, shape), "b": [rng.normal(size=shape)]}
   fn = lambda x, y: {"a": x["a"] * y["a"], "b": [y["a"] * x["b"][0] + y["b"][0]]}
+  inner = inner if mode == "chunked" else None  # the in-chunk strategy of the chunked mode
   ours = scan(fn, elems, axis=axis, reverse=reverse, mode=mode, inner=inner, chunk_size=chunk)
   # lax.associative_scan cannot take an empty sequence; its scan of nothing is nothing.
   theirs = elems if length == 0 else jax.jit(
@@ -134,6 +139,107 @@ def test_any_axis_and_pytree_matches_lax(length, axis, mode, inner, chunk, rever
     np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-12 * np.max(np.abs(v), initial=0.0))
 
   jax.tree.map(close, ours, theirs)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fn_written_for_lax_with_vmap_or_indexing_the_scan_axis_works_in_every_mode(kwargs, reverse):
+  # lax.associative_scan's docstring suggests writing `fn` with jax.vmap over the scan axis:
+  # it gets arrays that keep that axis, with some length >= 1.
+  x = jnp.arange(1.0, 12.0)
+  added = scan(jax.vmap(lambda a, b: a + b), x, reverse=reverse, **kwargs)
+  np.testing.assert_array_equal(added, np.cumsum(x[::-1])[::-1] if reverse else np.cumsum(x))
+  # An `fn` that indexes the scan axis where it stands (last here), named from either end.
+  mats = jax.random.normal(jax.random.key(1), (3, 3, 13), jnp.float64) / 2
+  fn = lambda a, b: jnp.einsum("ijt,jkt->ikt", a, b)
+  theirs = jax.jit(lambda m: lax.associative_scan(fn, m, axis=2, reverse=reverse))(mats)
+  for axis in (2, -1):
+    ours = scan(fn, mats, axis=axis, reverse=reverse, **kwargs)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+def test_fn_gets_the_scan_axis_in_place(kwargs):
+  shapes = []
+
+  def fn(a, b):
+    shapes.append((a.shape, b.shape))
+    return a + b
+
+  scan(fn, jnp.ones((2, 23, 3)), axis=1, **kwargs)
+  assert shapes
+  for a_shape, b_shape in shapes:
+    # lax.associative_scan itself (the parallel modes) also combines empty pieces.
+    assert a_shape == b_shape and len(a_shape) == 3 and a_shape[0::2] == (2, 3)
+
+
+# JAX's own tests of lax.associative_scan (tests/lax_control_flow_test.py), in every mode.
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize(("shape", "axis"), [
+    (shape, axis)
+    for shape in [[0], [1], [2], [5], [1000], [7, 5], [5, 6, 7]]
+    for axis in range(-len(shape), len(shape) - 1)
+])
+def test_lax_associative_scan_unstructured(kwargs, shape, axis):
+  data = np.arange(np.prod(shape)).reshape(shape) + 7
+  result = scan(operator.add, data, axis=axis, **kwargs)
+  np.testing.assert_array_equal(result, np.cumsum(data, axis=axis))
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+def test_lax_associative_scan_cases(kwargs):
+  data = np.arange(1000) + 32
+  reversed_sum = scan(operator.add, data, reverse=True, **kwargs)
+  np.testing.assert_array_equal(reversed_sum, np.cumsum(data[::-1])[::-1])
+  # Structured3: a namedtuple of arrays.
+  pair = collections.namedtuple("pair", ("first", "second"))
+  data = pair(first=np.array([0.0, 1.0, 2.0]), second=np.array([0.0, 10.0, 20.0]))
+  fn = lambda a, b: pair(first=a.first + b.first, second=a.second + b.second)
+  result = scan(fn, data, **kwargs)
+  np.testing.assert_array_equal(result.first, [0.0, 1.0, 3.0])
+  np.testing.assert_array_equal(result.second, [0.0, 10.0, 30.0])
+  # OfBools.
+  x = jnp.array([False, True, True, True, False, True])
+  np.testing.assert_array_equal(scan(lax.bitwise_xor, x, **kwargs),
+                                [False, True, False, True, True, False])
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("length", [2, 43, 100])
+def test_lax_associative_scan_solving_regression(kwargs, length):
+  # A batch-sensitive operator (solve) written with jax.vmap must not raise. It is not
+  # associative, so only the shapes, and lax's own mode, are compared.
+  ms = np.repeat(np.eye(2).reshape(1, 2, 2), length, axis=0)
+  vs = np.ones((length, 2))
+
+  @jax.vmap
+  def fn(a, b):
+    m1, v1 = a
+    m2, v2 = b
+    return m1 + m2, jsp.linalg.solve(m1, v2) + jsp.linalg.solve(m2, v1)
+
+  out = scan(fn, (ms, vs), **kwargs)
+  assert out[0].shape == ms.shape and out[1].shape == vs.shape
+  if kwargs["mode"] == "parallel":
+    np.testing.assert_array_equal(out[1], jax.jit(lambda e: lax.associative_scan(fn, e))((ms, vs))[1])
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+def test_operator_that_is_not_elementwise_is_named(kwargs):
+  with pytest.raises(ValueError, match="`fn` must return an element like its operands"):
+    associative_scan(lambda a, b: (a * b).sum(axis=0), jnp.ones((9, 3)), **kwargs)
+  with pytest.raises(ValueError, match="`fn` must return an element like its operands"):
+    associative_scan(lambda a, b: (a + b, a), (jnp.ones(9), jnp.ones(9), jnp.ones(9)), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
+def test_segmented_elements_that_are_not_pairs_are_named(kwargs):
+  op = operators.with_resets(operators.add)
+  flags, x = jnp.zeros(9, bool), jnp.ones(9)
+  with pytest.raises(TypeError, match=r"with_resets\(fn\).*tuple of 3"):
+    associative_scan(op, (flags, x, x), **kwargs)
+  with pytest.raises(TypeError, match=r"with_resets\(fn\).*boolean flags"):
+    associative_scan(op, (x, x), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs", MODES, ids=MODE_IDS)
@@ -193,6 +299,10 @@ def test_modes_are_an_enum_and_strings_are_accepted():
         (lambda: associative_scan(operators.add, jnp.ones(3), inner="cumsum"), ValueError,
          "`inner`"),
         (lambda: associative_scan(operators.add, ()), ValueError, "`elems`"),
+        (lambda: associative_scan(operators.add, jnp.ones(3), mode="sequential", inner="parallel"),
+         ValueError, "`inner`.*mode='sequential'"),
+        (lambda: associative_scan(operators.add, jnp.ones(3), mode="parallel", inner="sequential"),
+         ValueError, "`inner`.*mode='parallel'"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(call, error, match):

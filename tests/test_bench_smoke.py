@@ -1,8 +1,13 @@
 """Every `ssmkit bench` runs end to end with `--shapes small` and prints its whole table."""
 
+import sys
+import time
+import types
+
 import jax
 
 from ssmkit import cli
+from ssmkit.bench import _timing
 
 METHODS = (
     "lax.scan",
@@ -15,7 +20,7 @@ METHODS = (
 )
 
 
-def test_bench_scan_small_prints_every_method_shape_criterion_and_the_split(capsys):
+def test_bench_scan_small_prints_every_method_shape_and_criterion(capsys):
   status = cli.main(["bench", "scan", "--shapes", "small", "--repeats", "2"])
   out = capsys.readouterr().out
   assert status == 0
@@ -25,17 +30,19 @@ def test_bench_scan_small_prints_every_method_shape_criterion_and_the_split(caps
     assert shape in out
   # Microsecond timings judge nothing: the criteria are left to the full suite.
   assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
-  # The sequence-parallel table follows, the split checked against one device; with one
-  # device (one GPU) a line that says what it needs instead.
-  split = out[out.index("Sequence parallelism:"):]
+
+
+def test_bench_sequence_parallel_small_splits_over_the_devices_there_are(capsys):
+  assert cli.main(["bench", "sequence-parallel", "--shapes", "small", "--repeats", "2"]) == 0
+  out = capsys.readouterr().out
   devices = jax.devices()
-  if len(devices) < 2:
-    assert "needs at least 2 devices, found 1" in split
+  if len(devices) < 2:  # e.g. one GPU: the notice says how to get host devices
+    assert "needs at least 2 devices" in out
     return
   for text in (" one device ", f" sequence-parallel x{len(devices)} ", "T=64 D=2"):
-    assert text in split
-  # Host devices share the machine's cores: the bench says its times are no speed claim.
-  assert ("not a speed claim" in split) == (devices[0].platform == "cpu")
+    assert text in out
+  # Host devices share one machine: the table says it is no speed claim, on CPU only.
+  assert ("not a speed claim" in out) == (devices[0].platform == "cpu")
 
 
 def test_bench_rl_small_checks_every_mode_against_rlax(capsys):
@@ -74,3 +81,61 @@ def test_bench_sequence_parallel_on_one_device_says_how_to_get_more(capsys, monk
   monkeypatch.setattr(jax, "devices", lambda *args: first)
   assert cli.main(["bench", "sequence-parallel", "--shapes", "small"]) == 0
   assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in capsys.readouterr().out
+
+
+def _fake_benchmark(seconds_per_shape):
+  """A registered benchmark module whose shapes each take `seconds_per_shape`."""
+  module = types.ModuleType("fake_benchmark")
+
+  def run(*, shapes, repeats, markdown):
+    table = _timing.StreamedTable(("shape", "ms"), [["a", "b", "c"]], markdown=markdown)
+    for shape in _timing.within_budget(["a", "b", "c"], "fake"):
+      time.sleep(seconds_per_shape)
+      table.add([(shape, "1.00")])
+    return 0
+
+  module.run = run
+  return module
+
+
+def test_bench_all_runs_every_registered_benchmark_into_one_report(capsys, monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "fake_benchmark", _fake_benchmark(0.0))
+  monkeypatch.setattr(cli, "_BENCHMARKS", {"fake": ("fake_benchmark", "a fake"),
+                                           "other": ("fake_benchmark", "another")})
+  report = tmp_path / "report.md"
+  args = ["bench", "all", "--shapes", "small", "--markdown", "--output", str(report)]
+  assert cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert report.read_text() == out
+  for text in ("## fake", "## other", "| c     |", "## Summary"):
+    assert text in out
+  assert "Skipped" not in out
+
+
+def test_bench_all_skips_what_the_budget_leaves_no_time_for(capsys, monkeypatch, tmp_path):
+  # Shapes of 0.2 s in a budget of 0.3 s: each benchmark runs its first shape while time
+  # is left, then the rest would not fit.
+  monkeypatch.setitem(sys.modules, "fake_benchmark", _fake_benchmark(0.2))
+  monkeypatch.setattr(cli, "_BENCHMARKS", {"fake": ("fake_benchmark", "a fake")})
+  report = tmp_path / "report.txt"
+  assert cli.main(["bench", "all", "--budget-s", "0.3", "--output", str(report)]) == 0
+  out = report.read_text()
+  rows = [line.split() for line in out.splitlines()]
+  assert ["a", "1.00"] in rows and ["b", "1.00"] not in rows
+  assert "Skipped to stay within the budget:\n- fake: b\n- fake: c" in out
+
+
+def test_slow_cells_take_fewer_samples():
+  calls = {"fast": 0, "slow": 0}
+
+  def thunk(name, seconds):
+    def call():
+      calls[name] += 1
+      time.sleep(seconds)
+    return call
+
+  _timing.interleaved_medians({"fast": thunk("fast", 0.0), "slow": thunk("slow", 0.05)},
+                              repeats=10, min_sample_s=0.0, cell_budget_s=0.12)
+  # Warm-up, estimate, then 10 samples for the fast one and 0.12 / 0.05 -> 2 (1 on a busy
+  # machine, where a sleep overruns) for the slow one.
+  assert calls["fast"] == 12 and calls["slow"] in (3, 4)

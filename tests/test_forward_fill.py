@@ -50,6 +50,31 @@ def test_masked_fill_matches_loop_on_each_column(length, reverse, mode, fill, se
     np.testing.assert_array_equal(out[:, j], _fill_loop(x[:, j], mask[:, j], reverse, fill))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_mask_lines_up_with_the_leading_axes_even_when_square(mode):
+  # A `(T,)` mask of a `(T, D)` input marks steps; with T == D right-aligned broadcasting
+  # would read it as marking columns.
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(5, 5))
+  steps = rng.uniform(size=5) < 0.5
+  out = forward_fill(x, steps, mode=mode)
+  for j in range(5):
+    np.testing.assert_array_equal(out[:, j], _fill_loop(x[:, j], steps, False, 0.0))
+  # Batch-major, time on axis 1: a `(B, T)` mask of a `(B, T, D)` input.
+  sources = rng.uniform(size=(2, 5)) < 0.5
+  out = forward_fill(np.stack([x, x]), sources, axis=1, mode=mode)
+  for i, j in np.ndindex(2, 5):
+    np.testing.assert_array_equal(out[i, :, j], _fill_loop(x[:, j], sources[i], False, 0.0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_mode_routes_the_tangent_from_the_source(mode):
+  x = jnp.array([1.0, 0, 0, 3, 0, 6, 0, 0])
+  t = jnp.arange(1.0, 9.0)
+  _, tangent = jax.jvp(lambda x: forward_fill(x, x != 0, mode=mode), (x,), (t,))
+  np.testing.assert_array_equal(tangent, [1, 1, 1, 4, 4, 6, 6, 6])
+
+
 def test_fill_along_a_batch_major_axis():
   x = jnp.array([[0.0, 2.0, 0.0, 0.0], [5.0, 0.0, 7.0, 0.0]])
   np.testing.assert_array_equal(forward_fill(x, axis=1), [[0, 2, 2, 2], [5, 5, 7, 7]])
@@ -83,6 +108,8 @@ def test_bad_input_raises_naming_the_argument():
     forward_fill(jnp.ones(3), jnp.ones(3))
   with pytest.raises(ValueError, match="`mask`"):
     forward_fill(jnp.ones(3), jnp.ones(4, bool))
+  with pytest.raises(ValueError, match=r"`mask` .* leading axes of `x`"):
+    forward_fill(jnp.ones((3, 2)), jnp.ones(2, bool))
   with pytest.raises(ValueError, match="`axis`"):
     forward_fill(jnp.ones(3), axis=1)
   with pytest.raises(ValueError, match="`counts`"):

@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 import scipy.linalg
@@ -10,6 +11,7 @@ from flax import nnx
 
 from ssmkit import layers
 from ssmkit._src import hippo
+from ssmkit.scan import Mode
 
 # Every layer, small enough for fast tests.
 LAYERS = {
@@ -142,6 +144,19 @@ def test_gradients_are_finite(layer):
   grads = jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
   for g in jax.tree.leaves(grads):
     assert np.all(np.isfinite(g)) and np.any(g != 0)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "chunked"])
+def test_forward_mode_matches_finite_differences(layer, mode):
+  # In float64 (parameters cast after init), so central differences resolve the tangents.
+  x = _x((2, 9, 4), dtype=jnp.float64)
+  reset = _resets((2, 9))
+  params = jax.tree.map(lambda p: p.astype(jnp.float64), layer.init(jax.random.key(0), x))
+  f = jax.jit(lambda p, x: layer.apply(p, x, reset, mode=mode))
+  jax.test_util.check_grads(f, (params, x), order=1, modes=["fwd"], eps=1e-6)
+  if mode == "sequential":  # jacfwd (a vmapped jvp) equals jacrev
+    jac = lambda d: jax.jit(d(lambda x: f(params, x)))(x)
+    np.testing.assert_allclose(jac(jax.jacfwd), jac(jax.jacrev), rtol=1e-10, atol=1e-12)
 
 
 class _StepCell(nn.Module):
@@ -317,6 +332,24 @@ def test_s4d_rejects_bad_configuration():
   params = layers.S4D(d_state=4).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="cannot take `reset`"):
     layers.S4D(d_state=4).apply(params, x, jnp.zeros(4, bool), mode="convolution")
+
+
+def test_s4d_auto_as_enum_or_string_takes_the_same_path():
+  layer = layers.S4D(d_state=4)
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  convolved = layer.apply(params, x, mode="convolution")
+  # Bit for bit: both convolve (the recurrence rounds differently).
+  np.testing.assert_array_equal(layer.apply(params, x, mode=Mode.AUTO), convolved)
+  np.testing.assert_array_equal(layer.apply(params, x, mode="auto"), convolved)
+
+
+@pytest.mark.parametrize("factory", [layers.LRU, layers.S4D, layers.S5, layers.Mamba],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("d_state", [0, -2, 2.5])
+def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):
+  with pytest.raises(ValueError, match="`d_state` must be a positive int"):
+    factory(d_state=d_state).init(jax.random.key(0), _x((2, 5, 4)))
 
 
 def _s5_reference(layer, params, x, reset=None):

@@ -232,6 +232,152 @@ def test_decay_as_factors_equals_their_product(kwargs, reverse):
     np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-10)
 
 
+def _leading(flags, ndim):
+  """`flags` with unit axes appended up to rank `ndim`: the leading-axes rule, in NumPy."""
+  return flags.reshape(flags.shape + (1,) * (ndim - flags.ndim))
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+@pytest.mark.parametrize("reset_shape", [(5,), (5, 5), (5, 1), (5, 5, 5)])
+def test_reset_lines_up_with_the_leading_axes_even_when_square(mode, reset_shape):
+  # T == B == D: right-aligned NumPy broadcasting would take `(T, B)` flags for `(B, D)`.
+  rng = np.random.default_rng(11)
+  a, b = _inputs(rng, (5, 5, 5), np.float64)
+  reset = rng.uniform(size=reset_shape) < 0.3
+  expected = references.linear_recurrence(a, b, None, _leading(reset, 3))
+  _assert_close(recurrence(a, b, reset=reset, mode=mode, chunk_size=2), expected, np.float64)
+  # Batch-major, time on axis 1: `(B, T)` flags.
+  swapped = lambda x: np.swapaxes(x, 0, 1)
+  got = recurrence(swapped(a), swapped(b), reset=swapped(reset) if reset.ndim > 1 else None,
+                   axis=1, mode=mode, chunk_size=2)
+  if reset.ndim > 1:
+    _assert_close(got, swapped(expected), np.float64)
+
+
+@pytest.mark.parametrize("reset_shape", [(4,), (6, 4), (1, 3), (6, 3, 2, 1), (6, 3, 2, 5, 1)])
+def test_reset_that_does_not_line_up_is_refused(reset_shape):
+  with pytest.raises(ValueError, match=r"`reset` with shape .* leading axes of `b`"):
+    linear_recurrence(jnp.ones((6, 3, 2)), jnp.ones((6, 3, 2)), reset=jnp.zeros(reset_shape, bool))
+
+
+def _tangents(rng, *xs):
+  return tuple(_inputs(rng, np.shape(x), np.asarray(x).dtype)[1] for x in xs)
+
+
+JVP_CASES = [
+    (kwargs, reverse, with_reset)
+    for kwargs, reverse, with_reset in itertools.product(MODES[:5], [False, True], [False, True])
+    if not (with_reset and kwargs.get("inner") == "cumsum")
+]
+
+
+@pytest.mark.parametrize(("kwargs", "reverse", "with_reset"), JVP_CASES,
+                         ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else str(v))
+def test_jvp_matches_jvp_of_sequential_scan(kwargs, reverse, with_reset):
+  rng = np.random.default_rng(12)
+  a, b = _inputs(rng, (23, 3), np.complex128)
+  h0 = _inputs(rng, (3,), np.complex128)[1]
+  reset = (rng.uniform(size=(23,)) < 0.25) if with_reset else None
+  primals = (a, b, h0)
+  tangents = _tangents(rng, *primals)
+  ours = jax.jit(lambda p, t: jax.jvp(
+      lambda a, b, h0: linear_recurrence(a, b, h0, reset=reset, reverse=reverse,
+                                         return_final_state=True, **kwargs), p, t))(primals, tangents)
+  flags = None if reset is None else reset[:, None]
+  ref_h, ref_dh = jax.jit(lambda p, t: jax.jvp(
+      lambda a, b, h0: _sequential_reference(a, b, h0, flags, reverse), p, t))(primals, tangents)
+  edge = 0 if reverse else -1
+  for got, want in zip(ours, ((ref_h, ref_h[edge]), (ref_dh, ref_dh[edge])), strict=True):
+    for x, y in zip(got, want, strict=True):
+      np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_mode_matches_finite_differences(mode, reverse):
+  rng = np.random.default_rng(13)
+  a = _inputs(rng, (11, 2), np.float64)[0]  # a real decay of a complex state
+  b = _inputs(rng, (11, 2), np.complex128)[1]
+  h0 = _inputs(rng, (2,), np.complex128)[1]
+  reset = jnp.asarray(rng.uniform(size=(11, 2)) < 0.2)
+  kw = dict(reset=reset, reverse=reverse, mode=mode, chunk_size=3)
+  f = lambda a, b, h0: linear_recurrence(a, b, h0, return_final_state=True, **kw)
+  # Second order: jvp of jvp (jacfwd of jacfwd). Reverse mode has its own test above.
+  check_grads(jax.jit(f), (a, b, h0), order=2, modes=["fwd"], eps=1e-6)
+  final = lambda a, b, h0: linear_recurrence_final_state(a, b, h0, **kw)
+  check_grads(jax.jit(final), (a, b, h0), order=2, modes=["fwd"], eps=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_jacfwd_jacrev_and_hessian_through_factors_and_vmap(mode):
+  rng = np.random.default_rng(14)
+  d, lam = rng.uniform(0.5, 1.0, (7, 3)), rng.uniform(0.5, 1.0, (3,))
+  b = rng.normal(size=(2, 7, 3))
+  f = lambda d, lam, b: jax.vmap(
+      lambda b: linear_recurrence((d, lam), b, mode=mode, return_final_state=True)[1])(b)
+  fwd = jax.jit(jax.jacfwd(f, argnums=(0, 1, 2)))(d, lam, b)
+  rev = jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(d, lam, b)
+  ref = jax.jit(jax.jacrev(
+      lambda d, lam, b: jax.vmap(lambda b: _sequential_reference(d * lam[None], b, jnp.zeros(3))[-1])(b),
+      argnums=(0, 1, 2)))(d, lam, b)
+  for x, y, z in zip(fwd, rev, ref, strict=True):
+    np.testing.assert_allclose(x, z, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(y, z, rtol=1e-10, atol=1e-12)
+  # jax.hessian is jacfwd of jacrev: forward mode through the transposed tangents.
+  loss = lambda f: lambda d: jnp.sum(jnp.sin(f(d, lam, b)))
+  reference = lambda d, lam, b: jax.vmap(
+      lambda b: _sequential_reference(d * lam[None], b, jnp.zeros(3))[-1])(b)
+  np.testing.assert_allclose(jax.jit(jax.hessian(loss(f)))(d),
+                             jax.jit(jax.hessian(loss(reference)))(d), rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_temp_memory_stays_at_lax_scan_autodiff():
+  t, d = 4096, 64
+  a = jnp.full((t, d), 0.99, jnp.float32)
+  b = jnp.ones((t, d), jnp.float32)
+  w = jnp.ones((t, d), jnp.float32)
+
+  def temp_bytes(f):
+    grad = jax.jit(jax.grad(lambda a, b, w: jnp.sum(f(a, b) * w), argnums=(0, 1)))
+    return grad.lower(a, b, w).compile().memory_analysis().temp_size_in_bytes
+
+  def plain_scan(a, b):
+    step = lambda h, x: (x[0] * h + x[1],) * 2
+    return lax.scan(step, jnp.zeros(d), (a, b))[1]
+
+  assert temp_bytes(lambda a, b: linear_recurrence(a, b, mode="sequential")) <= temp_bytes(plain_scan)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
+def test_an_argument_b_is_not_copied(mode):
+  # Writing states over an argument `b` (or h0 into its first row) makes XLA copy it first:
+  # a whole extra pass over memory in a memory-bound recurrence.
+  a = jnp.full((64, 8), 0.9, jnp.float32)
+  b = jnp.ones((64, 8), jnp.float32)
+  f = jax.jit(lambda a, b: linear_recurrence(a, b, mode=mode, chunk_size=8))
+  assert "f32[64,8]{1,0} copy(" not in f.lower(a, b).compile().as_text()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_overwrite_b_is_a_speed_hint_that_keeps_the_result(reverse):
+  rng = np.random.default_rng(15)
+  a, b = _inputs(rng, (29, 3), np.float64)
+  h0 = rng.normal(size=3)
+  reset = rng.uniform(size=29) < 0.2
+  expected = references.linear_recurrence(a, b, h0, _leading(reset, 2), reverse)
+  for overwrite_b in (False, True):
+    run = jax.jit(lambda a, b, h0, w=overwrite_b: linear_recurrence(
+        a, 2.0 * b, h0, reset=reset, reverse=reverse, mode="sequential", overwrite_b=w))
+    _assert_close(run(a, b / 2.0, h0), expected, np.float64)
+    grads = jax.jit(jax.grad(lambda a, b, w=overwrite_b: jnp.sum(jnp.sin(linear_recurrence(
+        a, b, h0, reset=reset, reverse=reverse, mode="sequential", overwrite_b=w))),
+        argnums=(0, 1)))(a, b)
+    ref = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(_sequential_reference(
+        a, b, h0, reset[:, None], reverse))), argnums=(0, 1)))(a, b)
+    for g, r in zip(grads, ref, strict=True):
+      np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
+
+
 def test_real_decay_complex_input_gives_real_gradient():
   rng = np.random.default_rng(6)
   a = rng.uniform(0.5, 1.0, (9, 2))
@@ -361,6 +507,8 @@ def test_jit_equals_no_jit_and_second_call_does_not_retrace(mode):
         (dict(a=jnp.ones(4), b=jnp.ones(4), mode="chunked", chunk_size=0), ValueError, "chunk_size"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), chunk_size=2.5), TypeError, "chunk_size"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), inner="magic"), ValueError, "`inner`"),
+        (dict(a=jnp.ones(4), b=jnp.ones(4), mode="sequential", inner="cumsum"), ValueError,
+         "`inner`.*mode='sequential'"),
         (dict(a=jnp.ones((4, 3)), b=jnp.ones((4, 3)), h0=jnp.ones(4)), ValueError, "`h0`"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(4)), TypeError, "`reset`"),
         (dict(a=jnp.ones(4), b=jnp.ones(4), reset=jnp.zeros(5, bool)), ValueError, "`reset`"),

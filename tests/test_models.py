@@ -3,12 +3,14 @@ against themselves run another way (step by step, unpadded, unrolled)."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ssmkit import layers
+from ssmkit._src.layers.model import _filter_logits
 
 SMALL_LAYERS = {
     "LRU": functools.partial(layers.LRU, d_state=4),
@@ -137,6 +139,27 @@ def test_padding_changes_nothing(name, pooling):
     _assert_close(padded[i], model.apply(variables, x[i : i + 1, :n])[0])
 
 
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_left_padding_pools_the_real_steps(pooling):
+  model = _model(pooling=pooling)
+  lengths = [5, 13, 1]
+  x = _x((3, 13, 2))
+  mask = jnp.arange(13)[None, :] >= 13 - jnp.asarray(lengths)[:, None]  # padding first
+  variables = model.init(jax.random.key(0), x, mask)
+  padded = model.apply(variables, jnp.where(mask[..., None], x, 0.0), mask)
+  for i, n in enumerate(lengths):
+    _assert_close(padded[i], model.apply(variables, x[i : i + 1, 13 - n :])[0])
+
+
+def test_mask_broadcasts_over_batch_axes_of_size_one():
+  model = _model()
+  x = _x((3, 6, 2))
+  steps = jnp.arange(6)[None, :] < 4
+  variables = model.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(model.apply(variables, x, steps),
+                                model.apply(variables, x, jnp.broadcast_to(steps, (3, 6))))
+
+
 def test_batchnorm_statistics_skip_padding():
   model = _model(norm="batch")
   x = _x((2, 7, 2))
@@ -211,6 +234,106 @@ def test_sampling_is_reproducible_and_in_vocabulary():
   assert tokens.shape == (3, 20) and np.all((tokens >= 0) & (tokens < 7))
 
 
+def _np_filter(logits, top_k, top_p):
+  """Top-k then nucleus filtering of one row of logits, in float64 NumPy."""
+  logits = np.array(logits, np.float64)
+  if top_k is not None:
+    logits[logits < np.sort(logits)[::-1][top_k - 1]] = -np.inf
+  if top_p is not None:
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order] - logits[order[0]])
+    probs /= probs.sum()
+    mass, keep = 0.0, []
+    for i, p in zip(order, probs, strict=True):
+      if mass >= top_p:
+        break
+      keep.append(i)
+      mass += p
+    logits[[i for i in range(len(logits)) if logits[i] < min(logits[keep])]] = -np.inf
+  return logits
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(None, None), (1, None), (3, None), (None, 0.5),
+                                               (None, 1.0), (4, 0.7), (10, 0.05)])
+def test_sampling_filters_match_numpy(top_k, top_p):
+  logits = jax.random.normal(jax.random.key(0), (5, 10), jnp.float64) * 2
+  got = _filter_logits(logits, top_k, top_p)
+  for row, want in zip(np.asarray(got), map(lambda r: _np_filter(r, top_k, top_p), np.asarray(logits)),
+                       strict=True):
+    np.testing.assert_array_equal(np.isfinite(row), np.isfinite(want))
+    np.testing.assert_allclose(row[np.isfinite(row)], want[np.isfinite(want)], rtol=1e-12)
+
+
+def _token_model(**kwargs):
+  model = _model(vocab_size=7, num_outputs=7, pooling="none", **kwargs)
+  prompt = jax.random.randint(jax.random.key(3), (3, 4), 0, 7)
+  return model, model.init(jax.random.key(0), prompt), prompt
+
+
+def test_top_k_one_and_temperature_zero_are_greedy_without_a_key():
+  model, variables, prompt = _token_model()
+  greedy = layers.generate(model, variables, prompt, 6, temperature=0.0)
+  np.testing.assert_array_equal(
+      layers.generate(model, variables, prompt, 6, rng=jax.random.key(1), top_k=1), greedy)
+  np.testing.assert_array_equal(
+      layers.generate(model, variables, prompt, 6, rng=jax.random.key(1), top_p=1e-9), greedy)
+  with pytest.raises(ValueError, match="`rng`"):
+    layers.generate(model, variables, prompt, 6, temperature=0.5)
+
+
+def test_sampled_tokens_stay_in_the_top_k_of_the_model():
+  model, variables, prompt = _token_model()
+  tokens = layers.generate(model, variables, prompt, 8, rng=jax.random.key(2), temperature=5.0,
+                           top_k=2)
+  logits = model.apply(variables, jnp.concatenate([prompt, tokens], axis=1))[:, 3:-1]
+  top2 = np.argsort(-np.asarray(logits), axis=-1)[..., :2]
+  assert np.all((top2 == np.asarray(tokens)[..., None]).any(-1))
+
+
+def test_each_sequence_stops_at_its_own_end_token():
+  model, variables, prompt = _token_model()
+  key = jax.random.key(4)
+  free = np.asarray(layers.generate(model, variables, prompt, 12, rng=key))
+  eos = int(free[0, 2])  # a token the first sequence reaches
+  stopped = np.asarray(layers.generate(model, variables, prompt, 12, rng=key, eos_token=eos))
+  for row, free_row in zip(stopped, free, strict=True):
+    ends = np.flatnonzero(free_row == eos)
+    end = ends[0] if ends.size else len(row)
+    np.testing.assert_array_equal(row[: end + 1], free_row[: end + 1])
+    assert np.all(row[end:] == eos)
+
+
+class _TraceCountedLRU(layers.LRU):
+  """LRU whose step counts how often it is traced (`chex.assert_max_traces`)."""
+
+  def step(self, state, x_t, reset=None):
+    _count_step_trace()
+    return super().step(state, x_t, reset)
+
+
+@chex.assert_max_traces(n=1)
+def _count_step_trace():
+  pass
+
+
+def test_generate_compiles_once_per_model_and_shape_with_traced_temperature():
+  model = _model(vocab_size=7, num_outputs=7, pooling="none", num_blocks=1,
+                 layer=functools.partial(_TraceCountedLRU, d_state=4))
+  prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 7)
+  variables = model.init(jax.random.key(0), prompt)
+  chex.clear_trace_counter()
+  for i, temperature in enumerate([0.5, 1.5, jnp.float32(0.0)]):
+    layers.generate(model, variables, prompt + i % 2, 5, rng=jax.random.key(i),
+                    temperature=temperature, top_p=0.9, eos_token=i)
+  # Inside a user's jit, a traced temperature of 0 is greedy as well.
+  chex.clear_trace_counter()
+  greedy = layers.generate(model, variables, prompt, 5, temperature=0.0)
+  traced = jax.jit(lambda t: layers.generate(model, variables, prompt, 5, rng=jax.random.key(0),
+                                             temperature=t))
+  chex.clear_trace_counter()
+  np.testing.assert_array_equal(traced(0.0), greedy)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "call", "match"),
     [
@@ -219,6 +342,8 @@ def test_sampling_is_reproducible_and_in_vocabulary():
         ({"activation": "relu"}, {}, "activation"),
         ({}, {"mask": jnp.ones((2, 5), bool)}, "mask"),
         ({}, {"mask": jnp.ones((2, 6), jnp.int32)}, "mask"),
+        ({}, {"mask": jnp.ones((6,), bool)}, "mask"),
+        ({}, {"mask": jnp.ones((2, 6, 1), bool)}, "mask"),
         ({"vocab_size": 4}, {"x": jnp.ones((2, 6))}, "x"),
     ],
 )

@@ -326,6 +326,25 @@ def test_jit_and_traced_lambda():
   _assert_close(jax.jit(fn)(r, d, values, 0.9), np.asarray(fn(r, d, values, 0.9)), np.float32)
 
 
+def test_lambda_above_one_is_accepted_eagerly_and_jitted_as_rlax():
+  # rlax passes importance ratios up to 2 as `lambda_` in its own TD-error test.
+  rng = np.random.default_rng(8)
+  r, d, v = _trajectories(rng, (3, 20))
+  values = np.concatenate([v, v[:, :1]], axis=1)
+  for lam in (rng.uniform(0.5, 2.0, r.shape), 1.5):
+    per_step = np.broadcast_to(lam, r.shape)
+    cases = [
+        (lambda lam: rl.lambda_returns(r, d, v, lam, axis=1),
+         jax.vmap(rlax.lambda_returns)(r, d, v, per_step)),
+        (lambda lam: rl.generalized_advantage_estimation(r, d, values, lam, axis=1),
+         jax.vmap(rlax.truncated_generalized_advantage_estimation)(r, d, per_step, values)),
+    ]
+    for fn, expected in cases:
+      eager = fn(lam)
+      np.testing.assert_allclose(eager, jax.jit(fn)(lam), rtol=1e-12)
+      np.testing.assert_allclose(eager, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
   rng = np.random.default_rng(7)
   r, d, v = _trajectories(rng, (512, 2), dtype=np.float32)
@@ -346,9 +365,9 @@ def test_errors_name_the_argument():
   r, d, v = np.ones((5, 2)), np.full((5, 2), 0.9), np.ones((5, 2))
   values = np.ones((6, 2))
   gae = rl.generalized_advantage_estimation
-  with pytest.raises(ValueError, match="`lambda_` must lie in"):
-    gae(r, d, values, 1.5)
-  with pytest.raises(ValueError, match="`lambda_` must lie in"):
+  with pytest.raises(ValueError, match="`lambda_` must be >= 0"):
+    gae(r, d, values, -0.5)
+  with pytest.raises(ValueError, match="`lambda_` must be >= 0"):
     rl.lambda_returns(r, d, v, np.full((5, 2), -0.1))
   with pytest.raises(ValueError, match=r"`values` must have shape \(6, 2\) \(T \+ 1 = 6"):
     gae(r, d, v, 0.9)

@@ -45,6 +45,38 @@ def check_broadcasts_to(x: jnp.ndarray, shape: Sequence[int], name: str, target:
     )
 
 
+def align_leading(
+    flags: jnp.ndarray, shape: Sequence[int], axis: int, name: str, target: str
+) -> jnp.ndarray:
+  """`flags` lined up with the leading axes of `shape` (time on `axis`), at rank len(shape).
+
+  Flags, resets and masks follow the leading (batch and time) axes of the array they mark,
+  never NumPy's right-aligned broadcasting: their shape is `shape[:k]` for some k > `axis`,
+  and they broadcast over the trailing axes they leave out. An axis of size 1 other than
+  `axis` broadcasts too. `(T, B)` flags of a `(T, B, D)` array then mark steps and batch
+  elements even when T == B == D.
+
+  Returns:
+    `flags` with unit axes appended up to rank len(shape), ready for `jnp.where`.
+
+  Raises:
+    ValueError: naming `name` when `flags` does not line up so.
+  """
+  shape = tuple(shape)
+  k = flags.ndim
+  fits = axis < k <= len(shape) and flags.shape[axis] == shape[axis] and all(
+      n in (1, m) for n, m in zip(flags.shape, shape[:k], strict=True)
+  )
+  if not fits:
+    raise ValueError(
+        f"`{name}` with shape {flags.shape} does not line up with the leading axes of `{target}` "
+        f"{shape}: it needs the shape {target}.shape[:k] for some k > {axis} (the time axis "
+        f"{axis} included, e.g. {shape[: axis + 1]}), broadcast over the axes after it; other "
+        "axes of size 1 broadcast too."
+    )
+  return flags.reshape(flags.shape + (1,) * (len(shape) - k))
+
+
 def check_shape(x: jnp.ndarray, shape: Sequence[int], name: str, what: str) -> None:
   if x.shape != tuple(shape):
     raise ValueError(f"`{name}` must have shape {tuple(shape)} ({what}), got {x.shape}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ from ssmkit._src.modes import (
     parse_mode,
     resolve_mode,
 )
-from ssmkit._src.operators import identity_of
+from ssmkit._src.operators import Operator, identity_of
 
 PyTree = Any
 Fn = Callable[[PyTree, PyTree], PyTree]
@@ -29,18 +30,28 @@ def _take(tree: PyTree, index) -> PyTree:
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def _concat(trees: list[PyTree]) -> PyTree:
-  return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
+def _concat(trees: list[PyTree], axis: int = 0) -> PyTree:
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=axis), *trees)
+
+
+def _part(tree: PyTree, start: int | None, stop: int | None, axis: int) -> PyTree:
+  """Every leaf sliced to [start, stop) along `axis`, the axis kept."""
+  return jax.tree.map(lambda x: x[(slice(None),) * axis + (slice(start, stop),)], tree)
+
+
+def _element(tree: PyTree, index: int, axis: int) -> PyTree:
+  """The element at `index` (negative counts from the end) as a slice of length 1 along `axis`."""
+  return _part(tree, index, None if index == -1 else index + 1, axis)
 
 
 def vary_alike(tree: PyTree) -> PyTree:
   """Every leaf of `tree` cast to vary over each manual mesh axis that any leaf varies over.
 
   Inside `shard_map`, a `lax.scan` carry must vary like the elements combined into it (a
-  constant identity, such as the unit matrix of `matrix_affine`, varies over no axis), and
-  a custom VJP must return cotangents that vary like its inputs (a replicated decay used
-  on sharded inputs gets a per-device cotangent, summed over devices by the cast's
-  transpose). Outside `shard_map` nothing varies and `tree` is returned as it is.
+  constant identity, such as the unit matrix of `matrix_affine`, or a replicated h0 of a
+  sharded recurrence, varies over no axis); the cast's transpose sums a replicated
+  input's per-device cotangents over the devices. Outside `shard_map` nothing varies and
+  `tree` is returned as it is.
   """
   leaves = jax.tree.leaves(tree)
   axes = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in leaves))
@@ -52,112 +63,128 @@ def vary_alike(tree: PyTree) -> PyTree:
   return jax.tree.map(cast, tree)
 
 
-def _identity_carry(fn: Fn, elems: PyTree) -> PyTree:
-  """The identity of `fn` shaped like one element of `elems`, to start a scan carry."""
-  first = _take(elems, 0)
-  return vary_alike((identity_of(fn)(first), first))[0]
+def _identity_carry(fn: Fn, element: PyTree) -> PyTree:
+  """The identity of `fn` shaped like `element`, to start a scan carry."""
+  return vary_alike((identity_of(fn)(element), element))[0]
 
 
-def _sequential(fn: Fn, elems: PyTree, reverse: bool) -> PyTree:
-  """`lax.scan` over the leading axis; the carry is the prefix accumulated so far."""
+def _sequential(fn: Fn, elems: PyTree, reverse: bool, axis: int) -> PyTree:
+  """`lax.scan` along `axis`; `fn` gets one element at a time as a slice of length 1.
+
+  The carry is the prefix accumulated so far. Each step's slice keeps the scan axis in
+  place, as `lax.associative_scan` passes `fn` its shortest pieces, so an `fn` written for
+  lax (with `jax.vmap` over the scan axis, or indexing it) works unchanged.
+  """
+  length = jax.tree.leaves(elems)[0].shape[axis]
+  # (..., T, ...) -> (T, ..., 1, ...): time leads for lax.scan, a unit axis stays in place.
+  steps = jax.tree.map(lambda x: jnp.moveaxis(jnp.expand_dims(x, axis + 1), axis, 0), elems)
 
   def body(carry, x):
     carry = fn(carry, x)
     return carry, carry
 
+  def unsteps(ys):
+    return jax.tree.map(lambda y: jnp.squeeze(jnp.moveaxis(y, 0, axis), axis + 1), ys)
+
   if identity_of(fn) is not None:
-    _, ys = lax.scan(body, _identity_carry(fn, elems), elems, reverse=reverse)
-    return ys
-  first = -1 if reverse else 0
-  rest = slice(None, -1) if reverse else slice(1, None)
-  head = _take(elems, first)
-  _, ys = lax.scan(body, head, _take(elems, rest), reverse=reverse)
-  head = jax.tree.map(lambda x: x[None], head)
-  return _concat([ys, head] if reverse else [head, ys])
+    _, ys = lax.scan(body, _identity_carry(fn, _take(steps, 0)), steps, reverse=reverse)
+    return unsteps(ys)
+  head, rest = (-1, slice(None, -1)) if reverse else (0, slice(1, None))
+  _, ys = lax.scan(body, _take(steps, head), _take(steps, rest), reverse=reverse)
+  ys = unsteps(ys)
+  first = _element(elems, head, axis)
+  return _concat([ys, first] if reverse else [first, ys], axis) if length > 1 else first
 
 
 ChunkScanner = Callable[[PyTree, bool], PyTree]
 
 
-def chunk_scanner(fn: Fn, inner: Inner) -> ChunkScanner:
-  """Scans every chunk of a pytree with leaves `(n, C, ...)` along axis 1."""
+def chunk_scanner(fn: Fn, inner: Inner, axis: int) -> ChunkScanner:
+  """Scans one chunk (leaves shaped like the input, shorter along `axis`) with `inner`."""
   if inner is Inner.PARALLEL:
-    return lambda chunks, reverse: lax.associative_scan(fn, chunks, reverse=reverse, axis=1)
-
-  def scan(chunks, reverse):
-    swapped = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), chunks)
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), _sequential(fn, swapped, reverse))
-
-  return scan
+    return lambda chunk, reverse: lax.associative_scan(fn, chunk, reverse=reverse, axis=axis)
+  return lambda chunk, reverse: _sequential(fn, chunk, reverse, axis)
 
 
 def _apply_carry(fn: Fn, carry: PyTree, ys: PyTree) -> PyTree:
-  """`fn(carry, y)` for every y along axis 1 of `ys`; `carry` has one entry per chunk."""
-  carry = jax.tree.map(lambda c, y: jnp.broadcast_to(jnp.expand_dims(c, 1), y.shape), carry, ys)
-  return fn(carry, ys)
+  """`fn(carry, y)` for every y of `ys`; `carry` is one element (length 1 along the scan axis)."""
+  return fn(jax.tree.map(lambda c, y: jnp.broadcast_to(c, y.shape), carry, ys), ys)
 
 
 def _chunked(
-    fn: Fn, elems: PyTree, reverse: bool, chunk_size: int, scan_chunks: ChunkScanner
+    fn: Fn, elems: PyTree, reverse: bool, axis: int, chunk_size: int, scan_chunk: ChunkScanner
 ) -> PyTree:
   """Scan inside chunks, a sequential scan over chunk totals, one fix-up with the carries.
 
   Chunks are aligned to the start of the scan (the end when `reverse`); the remainder of
-  a length that is not a multiple of `chunk_size` is scanned as one short chunk.
+  a length that is not a multiple of `chunk_size` is scanned as one short chunk. The
+  chunks are scanned and fixed up under `jax.vmap`, so `fn` sees each chunk as it would
+  see a shorter input, the scan axis in place.
   """
-  length = jax.tree.leaves(elems)[0].shape[0]
+  length = jax.tree.leaves(elems)[0].shape[axis]
   size = min(chunk_size, length)
   n, r = divmod(length, size)
-  main_part = slice(r, None) if reverse else slice(None, n * size)
-  tail_part = slice(None, r) if reverse else slice(n * size, None)
-  chunks = jax.tree.map(lambda x: x[main_part].reshape((n, size, *x.shape[1:])), elems)
-  ys = scan_chunks(chunks, reverse)
-  totals = _take(ys, (slice(None), 0 if reverse else -1))
+  main = _part(elems, r, None, axis) if reverse else _part(elems, None, n * size, axis)
+  # (..., n * size, ...) -> (n, ..., size, ...): one chunk per entry of a new leading axis.
+  chunks = jax.tree.map(
+      lambda x: jnp.moveaxis(x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1 :]), axis, 0),
+      main,
+  )
+  ys = jax.vmap(lambda chunk: scan_chunk(chunk, reverse))(chunks)
+  totals = _part(ys, 0, 1, axis + 1) if reverse else _part(ys, -1, None, axis + 1)
   if n > 1:
     head, rest = (-1, slice(None, -1)) if reverse else (0, slice(1, None))
     # carries[k] is the prefix that ends just before chunk k+1 (k-1 when reversed).
     final, carries = lax.scan(
         lambda c, t: (fn(c, t), c), _take(totals, head), _take(totals, rest), reverse=reverse
     )
-    fixed = _apply_carry(fn, carries, _take(ys, rest))
+    fixed = jax.vmap(functools.partial(_apply_carry, fn))(carries, _take(ys, rest))
     edge = _take(ys, slice(-1, None) if reverse else slice(0, 1))
     ys = _concat([fixed, edge] if reverse else [edge, fixed])
   else:
     final = _take(totals, 0)
-  ys = jax.tree.map(lambda y: y.reshape((n * size, *y.shape[2:])), ys)
+  ys = jax.tree.map(
+      lambda y: jnp.moveaxis(y, 0, axis).reshape(*y.shape[1 : axis + 1], n * size,
+                                                 *y.shape[axis + 2 :]),
+      ys,
+  )
   if r == 0:
     return ys
-  tail = jax.tree.map(lambda x: x[tail_part][None], elems)
-  tail = _take(_apply_carry(fn, _take(final, None), scan_chunks(tail, reverse)), 0)
-  return _concat([tail, ys] if reverse else [ys, tail])
+  tail = _part(elems, None, r, axis) if reverse else _part(elems, n * size, None, axis)
+  tail = _apply_carry(fn, final, scan_chunk(tail, reverse))
+  return _concat([tail, ys] if reverse else [ys, tail], axis)
 
 
-def scan_leading(
+def scan_along(
     fn: Fn,
     elems: PyTree,
     *,
+    axis: int,
     mode: Mode,
     reverse: bool = False,
     chunk_size: int | None = None,
     inner: Inner | None = None,
-    scan_chunks: ChunkScanner | None = None,
+    scan_chunk: ChunkScanner | None = None,
 ) -> PyTree:
-  """Inclusive scan of `fn` along the leading axis of every leaf; `mode` is not AUTO.
+  """Inclusive scan of `fn` along `axis` of every leaf; `mode` is not AUTO.
 
-  `scan_chunks` replaces the in-chunk scan of the chunked mode (default: `inner`).
+  `fn` gets arrays that keep the scan axis in place, with some length >= 1, as from
+  `lax.associative_scan`. `scan_chunk` replaces the in-chunk scan of the chunked mode
+  (default: `inner`).
   """
-  length = jax.tree.leaves(elems)[0].shape[0]
+  length = jax.tree.leaves(elems)[0].shape[axis]
   if length <= 1:
     return elems
   match mode:
     case Mode.SEQUENTIAL:
-      return _sequential(fn, elems, reverse)
+      return _sequential(fn, elems, reverse, axis)
     case Mode.PARALLEL:
-      return lax.associative_scan(fn, elems, reverse=reverse, axis=0)
+      return lax.associative_scan(fn, elems, reverse=reverse, axis=axis)
     case Mode.CHUNKED:
-      scan_chunks = scan_chunks or chunk_scanner(fn, inner or default_inner())
-      return _chunked(fn, elems, reverse, chunk_size or default_chunk_size(length), scan_chunks)
-  raise ValueError(f"scan_leading needs a concrete mode, got {mode}.")
+      scan_chunk = scan_chunk or chunk_scanner(fn, inner or default_inner(), axis)
+      return _chunked(fn, elems, reverse, axis, chunk_size or default_chunk_size(length),
+                      scan_chunk)
+  raise ValueError(f"scan_along needs a concrete mode, got {mode}.")
 
 
 def reduce_leading(
@@ -174,7 +201,8 @@ def reduce_leading(
 
   def fold(items):
     total, _ = lax.scan(
-        lambda c, x: (fn(c, x), None), _identity_carry(fn, items), items, reverse=reverse
+        lambda c, x: (fn(c, x), None), _identity_carry(fn, _take(items, 0)), items,
+        reverse=reverse
     )
     return total
 
@@ -216,7 +244,9 @@ class _Seam(NamedTuple):
   entry: jax.Array
 
 
-def _join_slices(fn: Fn, ys: PyTree, reverse: bool, axis_name: Hashable) -> tuple[PyTree, _Seam]:
+def _join_slices(
+    fn: Fn, ys: PyTree, reverse: bool, axis: int, axis_name: Hashable
+) -> tuple[PyTree, _Seam]:
   """Turns the scan `ys` of this device's slice into its part of the scan of every slice.
 
   The slice totals (one element per device) are all-gathered, scanned over devices, and
@@ -226,13 +256,40 @@ def _join_slices(fn: Fn, ys: PyTree, reverse: bool, axis_name: Hashable) -> tupl
   first and scanning once from the carry.
   """
   index, size = axis_position(axis_name)
-  totals = lax.all_gather(_take(ys, 0 if reverse else -1), axis_name)
-  prefixes = _sequential(fn, totals, reverse)
-  carry = _take(prefixes, jnp.clip(index + (1 if reverse else -1), 0, size - 1))
+  total = _element(ys, 0 if reverse else -1, axis)
+  totals = jax.tree.map(lambda x: lax.all_gather(x, axis_name, axis=axis, tiled=True), total)
+  prefixes = _sequential(fn, totals, reverse, axis)
+  before = jnp.clip(index + (1 if reverse else -1), 0, size - 1)
+  carry = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, before, 1, axis), prefixes)
   entry = index == (size - 1 if reverse else 0)
-  fixed = fn(jax.tree.map(lambda c, y: jnp.broadcast_to(c[None], y.shape), carry, ys), ys)
+  fixed = _apply_carry(fn, carry, ys)
   ys = jax.tree.map(lambda y, z: jnp.where(entry, y, z), ys, fixed)
   return ys, _Seam(carry, entry)
+
+
+def _checked(fn: Fn) -> Operator:
+  """`fn` with a check of every result: the structure, shapes and dtypes of its operands.
+
+  `lax.associative_scan` needs the same of `fn` and fails deep inside when it does not
+  hold; this names `fn` and says what it returned. The identity of an `Operator` is kept.
+  """
+
+  def combine(x, y):
+    out = fn(x, y)
+    want = jax.tree.map(lambda v: (v.shape, jnp.dtype(v.dtype)), x)
+    try:
+      got = jax.tree.map(lambda v: (jnp.shape(v), jnp.result_type(v)), out)
+    except TypeError:
+      got = out
+    if jax.tree.structure(out) != jax.tree.structure(x) or got != want:
+      raise ValueError(
+          "`fn` must return an element like its operands (an elementwise operator along the "
+          f"scan axis, as lax.associative_scan needs): given {want}, it returned {got}."
+      )
+    return out
+
+  name = getattr(fn, "name", getattr(fn, "__name__", "fn"))
+  return Operator(combine, identity_of(fn), name)
 
 
 def associative_scan(
@@ -301,7 +358,7 @@ def associative_scan(
     raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
-  inner = parse_inner(inner, (Inner.SEQUENTIAL, Inner.PARALLEL))
+  inner = parse_inner(inner, (Inner.SEQUENTIAL, Inner.PARALLEL), mode)
   if axis_name is not None:
     axis_position(axis_name)
   leaves, treedef = jax.tree.flatten(elems)
@@ -322,20 +379,21 @@ def associative_scan(
         "`exclusive=True` needs an operator with a known identity (an "
         "`ssmkit.scan.operators` operator), got a plain function."
     )
-  moved = treedef.unflatten([jnp.moveaxis(x, axis, 0) for x in leaves])
-  mode = resolve_mode(mode, length)
-  out = scan_leading(fn, moved, mode=mode, reverse=reverse, chunk_size=chunk_size, inner=inner)
+  elems = treedef.unflatten(leaves)
+  fn = _checked(fn)
+  mode = resolve_mode(mode)
+  out = scan_along(fn, elems, axis=axis, mode=mode, reverse=reverse, chunk_size=chunk_size,
+                   inner=inner)
   seam = None
   if axis_name is not None and length > 0:
-    out, seam = _join_slices(fn, out, reverse, axis_name)
+    out, seam = _join_slices(fn, out, reverse, axis, axis_name)
   if exclusive and length > 0:
-    edge = identity_like(_take(moved, 0))
+    edge = identity_like(_element(elems, 0, axis))
     if seam is not None:
       edge = jax.tree.map(lambda e, c: jnp.where(seam.entry, e, c), edge, seam.carry)
-    edge = jax.tree.map(lambda x: x[None], edge)
     out = (
-        _concat([_take(out, slice(1, None)), edge])
+        _concat([_part(out, 1, None, axis), edge], axis)
         if reverse
-        else _concat([edge, _take(out, slice(None, -1))])
+        else _concat([edge, _part(out, None, -1, axis)], axis)
     )
-  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), out)
+  return out

@@ -35,7 +35,9 @@ def forward_fill(
 
   Args:
     x: values `(..., T, ...)` with time on `axis`; any dtype.
-    mask: optional boolean sources, broadcastable to `x`; default `x != 0`.
+    mask: optional boolean sources, lined up with the leading axes of `x` (shaped
+      `x.shape[:k]` for some k > `axis`, broadcast over the axes after them, as `reset` of
+      `linear_recurrence`); default `x != 0`.
     reverse: fill backwards (from the next source).
     axis: the time axis.
     mode: scan mode of the index scan ("auto", "sequential", "parallel", "chunked").
@@ -59,8 +61,7 @@ def forward_fill(
   else:
     mask = jnp.asarray(mask)
     checks.check_bool(mask, "mask")
-    checks.check_broadcasts_to(mask, x.shape, "mask", "x")
-    mask = jnp.broadcast_to(mask, x.shape)
+    mask = jnp.broadcast_to(checks.align_leading(mask, x.shape, axis, "mask", "x"), x.shape)
   length = x.shape[axis]
   steps = jnp.arange(length).reshape((length,) + (1,) * (x.ndim - axis - 1))
   # A reverse fill takes the smallest source index >= t: a max-scan of negated indices.

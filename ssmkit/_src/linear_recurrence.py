@@ -1,4 +1,5 @@
-"""The linear recurrence h_t = a_t * h_{t-1} + b_t, with a custom VJP that is one reverse scan."""
+"""The linear recurrence h_t = a_t * h_{t-1} + b_t, with a custom JVP whose transpose is one
+reverse scan."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
-from ssmkit._src.engine import axis_position, reduce_leading, scan_leading, vary_alike
+from ssmkit._src.engine import axis_position, reduce_leading, scan_along, vary_alike
 from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
 from ssmkit._src.operators import affine, with_resets
 
@@ -26,6 +28,7 @@ class _Config(NamedTuple):
   mode: Mode
   chunk_size: int | None
   inner: Inner | None
+  in_place: bool  # whether the sequential mode may overwrite `b`
 
 
 def _edge(reverse: bool) -> int:
@@ -47,14 +50,19 @@ def _decay(a: Decay, shape: tuple[int, ...]) -> Array:
   return jnp.broadcast_to(functools.reduce(operator.mul, a), shape)
 
 
-def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: bool):
+def _zeros_if_none(h0: Array | None, like: Array) -> Array:
+  """`h0`, or the zero state of a time-leading `like` when there is none."""
+  return jnp.zeros_like(like[0]) if h0 is None else h0
+
+
+def _in_place(a: Decay, b: Array, h0: Array | None, reset: Array | None, reverse: bool):
   """A loop that overwrites `b` with `h` in place, reading a_t from the factors of `a`.
 
-  Writing into `b` instead of stacking `lax.scan` outputs saves the zero-filled output
-  buffer; when `b` is computed in the same program (the usual case) no copy is made, which
-  halves the time of a memory-bound recurrence on CPU. The carry is read back from the
-  written row: were it computed beside the write, XLA could schedule a read of the old row
-  after the write and would copy the whole buffer every step to stay correct.
+  Writing into `b` saves the zero-filled output buffer of a `lax.scan` when `b` is a buffer
+  of this program that nothing reads afterwards; XLA would copy an argument of the program
+  first, which costs more than the buffer saved. The carry is read back from the written
+  row: were it computed beside the write, XLA could schedule a read of the old row after
+  the write and would copy the whole buffer every step to stay correct.
   """
   length = b.shape[0]
 
@@ -68,45 +76,71 @@ def _sequential(a: Decay, b: Array, h0: Array, reset: Array | None, reverse: boo
     out = lax.dynamic_update_index_in_dim(out, h, t, 0)
     return _row(out, t), out
 
-  return lax.fori_loop(0, length, body, (h0, b))
+  return lax.fori_loop(0, length, body, (_zeros_if_none(h0, b), b))
 
 
-def _cumsum_chunks(chunks, reverse: bool):
-  """Closed-form affine scan inside chunks: (P, P * cumsum(b / P)), P the running product."""
-  a, b = chunks
-  p = lax.cumprod(a, axis=1, reverse=reverse)
-  return p, p * lax.cumsum(b / p, axis=1, reverse=reverse)
+def _stacked(a: Decay, b: Array, h0: Array | None, reset: Array | None, reverse: bool):
+  """`lax.scan` over the steps, stacking the states; returns `(h_last, h)`.
+
+  Time-varying factors of `a` are scanned as they are and time-invariant ones enter as
+  constants, so reverse mode, transposing this scan into a reverse `lax.scan`, stores no
+  copy of a_t.
+  """
+  varying = tuple(x for x in a if x.shape[0] != 1)
+  fixed = [x[0] for x in a if x.shape[0] == 1]
+
+  def body(h, xs):
+    a_t, b_t, r_t = xs
+    decayed = functools.reduce(operator.mul, [*a_t, *fixed]) * h
+    if r_t is not None:
+      decayed = jnp.where(r_t, jnp.zeros_like(decayed), decayed)
+    h = decayed + b_t
+    return h, h
+
+  return lax.scan(body, _zeros_if_none(h0, b), (varying, b, reset), reverse=reverse)
 
 
-def _scanned(a: Array, b: Array, h0: Array, reset: Array | None, cfg: _Config):
+def _cumsum_chunk(chunk, reverse: bool):
+  """Closed-form affine scan of a chunk: (P, P * cumsum(b / P)), P the running product."""
+  a, b = chunk
+  p = lax.cumprod(a, axis=0, reverse=reverse)
+  return p, p * lax.cumsum(b / p, axis=0, reverse=reverse)
+
+
+def _scanned(a: Array, b: Array, h0: Array | None, reset: Array | None, cfg: _Config):
   """The parallel and chunked modes: the affine operator through the scan engine."""
   first = _edge(cfg.reverse)
-  entry = a[first] * h0 + b[first]
-  if reset is not None:
-    reset = jnp.broadcast_to(reset, b.shape)
-    entry = jnp.where(reset[first], b[first], entry)
-  b = b.at[first].set(entry)
+  # Without `h0` (zeros) the first element is already h at the first step: writing it, and
+  # with it copying a `b` that is an argument of the program, is skipped.
+  if h0 is not None:
+    entry = a[first] * h0 + b[first]
+    if reset is not None:
+      entry = jnp.where(reset[first], b[first], entry)
+    b = b.at[first].set(entry)
   if reset is None:
     op, elems = affine, (a, b)
   else:
     op, elems = with_resets(affine), (reset, (a, b))
-  scan_chunks = _cumsum_chunks if cfg.inner is Inner.CUMSUM else None
-  out = scan_leading(
+  out = scan_along(
       op,
       elems,
+      axis=0,
       mode=cfg.mode,
       reverse=cfg.reverse,
       chunk_size=cfg.chunk_size,
       inner=cfg.inner,
-      scan_chunks=scan_chunks,
+      scan_chunk=_cumsum_chunk if cfg.inner is Inner.CUMSUM else None,
   )
   h = out[1] if reset is None else out[1][1]
   return h[0 if cfg.reverse else -1], h
 
 
 def _forward(cfg: _Config, a: Decay, b, h0, reset):
-  if cfg.mode is Mode.SEQUENTIAL:
-    return _sequential(a, b, h0, reset, cfg.reverse)
+  match cfg.mode:
+    case Mode.SEQUENTIAL if cfg.in_place:
+      return _in_place(a, b, h0, reset, cfg.reverse)
+    case Mode.SEQUENTIAL:
+      return _stacked(a, b, h0, reset, cfg.reverse)
   return _scanned(_decay(a, b.shape), b, h0, reset, cfg)
 
 
@@ -116,117 +150,92 @@ def _shift(x: Array, reverse: bool, fill: Array) -> Array:
   return jnp.concatenate([fill, x[:-1]]) if reverse else jnp.concatenate([x[1:], fill])
 
 
-def _adjoint(cfg: _Config, a: Decay, g, g_last, reset):
-  """lambda_t = g_t + a_{t+1} * lambda_{t+1} (no a_{t+1} across a reset), and dL/dh0.
+def _tangent(cfg: _Config, a: Decay, u: Array, dh0: Array | None, reset: Array | None):
+  """(dh_last, dh) of dh_t = a_t * dh_{t-1} + u_t from dh0: the recurrence's tangent map.
 
-  `g_last`, the cotangent of the final state, enters as lambda after the last step instead
-  of being added to a copy of `g`. The sequential mode overwrites `g` with lambda in place
-  (as `_sequential` does with `b`, reading lambda_t back from the written row) and carries
-  c = a_t * lambda_t, so it reads a_t at step t: no shifted copy of `a` is made.
+  It is linear in `u` and `dh0` and written with operations JAX transposes into one
+  reverse recurrence: `lax.scan` in the sequential mode (the in-place loop would transpose
+  into a loop that stores a copy of every a_t), the engine's scan in the others.
   """
-  reverse = not cfg.reverse
   if cfg.mode is Mode.SEQUENTIAL:
-    length = g.shape[0]
+    return _stacked(a, u, dh0, reset, cfg.reverse)
+  return _scanned(_decay(a, u.shape), u, dh0, reset, cfg)
 
-    def body(i, carry):
-      c, out = carry
-      t = i if cfg.reverse else length - 1 - i
-      out = lax.dynamic_update_index_in_dim(out, _row(out, t) + c, t, 0)
-      c = _decay_row(a, t) * _row(out, t)
-      if reset is not None:
-        c = jnp.where(_row(reset, t), jnp.zeros_like(c), c)
-      return c, out
 
-    dh0, lam = lax.fori_loop(0, length, body, (g_last, g))
-    return lam, dh0
-  a = _decay(a, g.shape)
-  # The fill multiplies g_last into the first adjoint step; 1 also keeps cumsum finite.
-  a_next = _shift(a, cfg.reverse, jnp.ones_like(a[0]))
-  r_next = None
+def nonzero_tangents(tangents):
+  """The tangents a `symbolic_zeros` JVP rule gets, with None for each symbolic zero."""
+  return jax.tree.map(lambda t: None if isinstance(t, SymbolicZero) else t, tangents,
+                      is_leaf=lambda t: isinstance(t, SymbolicZero))
+
+
+def _tangent_input(cfg: _Config, a: Decay, da, db, h: Array, h0: Array | None,
+                   reset: Array | None):
+  """u_t = da_t * h_{t-1} + db_t, with da_t the tangent of the product of the factors.
+
+  `da` holds one tangent per factor and `db` one for `b`, None where it is zero. h_{t-1} is
+  zeroed at a reset, where the step reads no state: a NaN state before the reset then gives
+  no NaN tangent (or gradient) after it.
+  """
+  u = jnp.zeros_like(h) if db is None else db
+  terms = [
+      functools.reduce(operator.mul, [*a[:i], *a[i + 1 :]], dx)
+      for i, dx in enumerate(da)
+      if dx is not None
+  ]
+  if not terms:
+    return u
+  h_prev = _shift(h, not cfg.reverse, _zeros_if_none(h0, h))
   if reset is not None:
-    reset = jnp.broadcast_to(reset, g.shape)
-    r_next = _shift(reset, cfg.reverse, jnp.zeros_like(reset[0]))
-  _, lam = _scanned(a_next, g, g_last, r_next, cfg._replace(reverse=reverse))
-  first = _edge(cfg.reverse)
-  dh0 = a[first] * lam[first]
-  if reset is not None:
-    dh0 = jnp.where(reset[first], jnp.zeros_like(dh0), dh0)
-  return lam, dh0
+    h_prev = jnp.where(reset, jnp.zeros_like(h_prev), h_prev)
+  return u + functools.reduce(operator.add, terms).astype(h.dtype) * h_prev
 
 
-def _cotangent_like(x: Array, like: Array) -> Array:
-  """Sums broadcast axes away and drops the imaginary part for a real primal."""
-  axes = tuple(i for i, (n, m) in enumerate(zip(like.shape, x.shape, strict=True)) if n != m)
-  x = x.sum(axes, keepdims=True) if axes else x
-  if not jnp.iscomplexobj(like):
-    x = jnp.real(x)
-  return x.astype(like.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _recurrence(cfg: _Config, a, b, h0, reset):
   h_last, h = _forward(cfg, a, b, h0, reset)
   return h, h_last
 
 
-def _recurrence_fwd(cfg, a, b, h0, reset):
-  h_last, h = _forward(cfg, a, b, h0, reset)
-  return (h, h_last), (a, b, h0, reset, h)
+@functools.partial(_recurrence.defjvp, symbolic_zeros=True)
+def _recurrence_jvp(cfg, primals, tangents):
+  a, b, h0, reset = primals
+  da, db, dh0, _ = nonzero_tangents(tangents)
+  h, h_last = _recurrence(cfg, a, b, h0, reset)
+  u = _tangent_input(cfg, a, da, db, h, h0, reset)
+  dh_last, dh = _tangent(cfg, a, u, dh0, reset)
+  return (h, h_last), (dh, dh_last)
 
 
-def _gradients(cfg: _Config, a, b, h0, reset, h, g, g_last):
-  dtype = jnp.result_type(h, g, g_last)
-  g, g_last = jnp.asarray(g, dtype), jnp.asarray(g_last, dtype)
-  lam, dh0 = _adjoint(cfg, a, g, g_last, reset)
-  h_prev = _shift(h, not cfg.reverse, h0)
-  da = lam * h_prev
-  if reset is not None:
-    da = jnp.where(reset, jnp.zeros_like(da), da)
-  factor_cotangents = tuple(
-      _cotangent_like(functools.reduce(operator.mul, [*a[:i], *a[i + 1 :]], da), x)
-      for i, x in enumerate(a)
-  )
-  return (
-      factor_cotangents,
-      _cotangent_like(lam, b),
-      _cotangent_like(dh0, h0),
-      None,
-  )
-
-
-def _recurrence_bwd(cfg, residuals, cotangents):
-  a, b, h0, reset, h = residuals
-  g, g_last = cotangents
-  return _gradients(cfg, a, b, h0, reset, h, g, g_last)
-
-
-_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _final(cfg: _Config, a: Decay, b, h0, reset):
+def _fold(cfg: _Config, a: Decay, b, h0, reset):
+  """The last state, folding the steps without storing the states."""
   a = _decay(a, b.shape)
   if reset is None:
     total_a, total_b = reduce_leading(affine, (a, b), mode=cfg.mode, reverse=cfg.reverse,
                                       chunk_size=cfg.chunk_size)
-    return total_a * h0 + total_b
+    return total_b if h0 is None else total_a * h0 + total_b
   reset = jnp.broadcast_to(reset, b.shape)
   cut, (total_a, total_b) = reduce_leading(with_resets(affine), (reset, (a, b)), mode=cfg.mode,
                                            reverse=cfg.reverse, chunk_size=cfg.chunk_size)
-  return jnp.where(cut, total_b, total_a * h0 + total_b)
+  return total_b if h0 is None else jnp.where(cut, total_b, total_a * h0 + total_b)
 
 
-def _final_fwd(cfg, a, b, h0, reset):
-  return _final(cfg, a, b, h0, reset), (a, b, h0, reset)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _final(cfg: _Config, a: Decay, b, h0, reset):
+  return _fold(cfg, a, b, h0, reset)
 
 
-def _final_bwd(cfg, residuals, g_last):
-  a, b, h0, reset = residuals
-  _, h = _forward(cfg, a, b, h0, reset)  # recomputed: the forward pass kept no states
-  return _gradients(cfg, a, b, h0, reset, h, jnp.zeros_like(h), g_last)
+@functools.partial(_final.defjvp, symbolic_zeros=True)
+def _final_jvp(cfg, primals, tangents):
+  a, b, h0, reset = primals
+  da, db, dh0, _ = nonzero_tangents(tangents)
 
+  # Checkpointed: the gradient recomputes the states instead of keeping them.
+  @jax.checkpoint
+  def tangent(a, b, h0, reset, da, db, dh0):
+    _, h = _forward(cfg, a, b, h0, reset)
+    return _fold(cfg, a, _tangent_input(cfg, a, da, db, h, h0, reset), dh0, reset)
 
-_final.defvjp(_final_fwd, _final_bwd)
+  return _final(cfg, a, b, h0, reset), tangent(a, b, h0, reset, da, db, dh0)
 
 
 def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, states: bool):
@@ -247,7 +256,7 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
   """
   index, size = axis_position(axis_name)
   entry = index == (size - 1 if cfg.reverse else 0)
-  h0 = jnp.where(entry, h0, jnp.zeros_like(h0))
+  h0 = None if h0 is None else jnp.where(entry, h0, jnp.zeros_like(h0))
   length = b.shape[0]
   total_a = functools.reduce(
       operator.mul, [x[0] ** length if x.shape[0] == 1 else jnp.prod(x, axis=0) for x in a]
@@ -272,7 +281,7 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
   h_final = lax.psum(jnp.where(index == 0, h_final, jnp.zeros_like(h_final)), axis_name)
   if not states:
     return h_final
-  carry = jnp.where(entry, h0, carries[index])
+  carry = carries[index] if h0 is None else jnp.where(entry, h0, carries[index])
   h, _ = _recurrence(cfg, a, b, carry, reset)
   return h, h_final
 
@@ -289,13 +298,14 @@ class _Prepared(NamedTuple):
   cfg: _Config
   a: Decay
   b: Array
-  h0: Array
+  h0: Array | None
   reset: Array | None
   axis: int
   out_dtype: jnp.dtype
 
 
-def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name) -> _Prepared:
+def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name,
+             overwrite_b=False) -> _Prepared:
   """Checks the arguments, moves time to the front and casts to the accumulation dtype."""
   factors = tuple(a) if isinstance(a, (tuple, list)) else (a,)
   if not factors:
@@ -308,7 +318,7 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   checks.check_inexact(b, "b")
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
-  inner = parse_inner(inner, tuple(Inner))
+  inner = parse_inner(inner, tuple(Inner), mode)
   if axis_name is not None:
     axis_position(axis_name)
   if b.ndim == 0:
@@ -326,10 +336,10 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
-    checks.check_broadcasts_to(reset, b.shape, "reset", "b")
+    reset = checks.align_leading(reset, b.shape, axis, "reset", "b")
     if inner is Inner.CUMSUM:
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
-    reset = jnp.moveaxis(reset.reshape((1,) * (b.ndim - reset.ndim) + reset.shape), axis, 0)
+    reset = jnp.moveaxis(reset, axis, 0)
   acc = accumulation_dtype(out_dtype)
   a = tuple(
       jnp.moveaxis(x.reshape((1,) * (b.ndim - x.ndim) + x.shape), axis, 0).astype(
@@ -337,10 +347,14 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
       )
       for x in factors
   )
+  b_given = b
   b = jnp.moveaxis(b, axis, 0).astype(acc)
-  h0 = jnp.zeros(state_shape, acc) if h0 is None else h0.astype(acc)
+  h0 = None if h0 is None else h0.astype(acc)
   a, b, h0 = vary_alike((a, b, h0))
-  cfg = _Config(bool(reverse), resolve_mode(mode, b.shape[0]), chunk_size, inner)
+  # `b` is a buffer of its own once moved or cast, which the sequential loop may overwrite;
+  # the caller's `b` may be an argument of the program, which XLA would copy first.
+  own = b_given.dtype != acc or any(n > 1 for n in b_given.shape[:axis])
+  cfg = _Config(bool(reverse), resolve_mode(mode), chunk_size, inner, bool(overwrite_b) or own)
   return _Prepared(cfg, a, b, h0, reset, axis, out_dtype)
 
 
@@ -357,6 +371,7 @@ def linear_recurrence(
     inner: str | Inner | None = None,
     return_final_state: bool = False,
     axis_name: Hashable | None = None,
+    overwrite_b: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Computes h_t = a_t * h_{t-1} + b_t along `axis`, starting from h_{-1} = h0.
 
@@ -365,11 +380,13 @@ def linear_recurrence(
   `reset[t]` clears the state before step t (h_t = b_t), by selection, so a NaN or Inf
   before a reset never reaches the steps after it.
 
-  The gradient is a custom VJP: one reverse linear recurrence
-  lambda_t = g_t + a_{t+1} lambda_{t+1}, then da_t = lambda_t h_{t-1}, db_t = lambda_t,
-  dh0 = a_0 lambda_0 (JAX's convention: no complex conjugation). It keeps only `a`, `h`
-  and `h0`, like `lax.scan` autodiff, and far less than autodiff through
-  `lax.associative_scan`. bfloat16/float16 inputs accumulate in float32.
+  Every JAX transform applies (`jit`, `vmap`, `grad`, `jvp`, `jacfwd`, `hessian`, ...).
+  Derivatives come from a custom JVP whose tangent is itself a linear recurrence,
+  dh_t = a_t dh_{t-1} + (da_t h_{t-1} + db_t), run in the same mode; reverse mode
+  transposes it into one reverse recurrence lambda_t = g_t + a_{t+1} lambda_{t+1}, then
+  da_t = lambda_t h_{t-1}, db_t = lambda_t, dh0 = a_0 lambda_0 (JAX's convention: no
+  complex conjugation). The sequential mode's gradient keeps only `a`, `h` and `h0`, as
+  `lax.scan` autodiff does. bfloat16/float16 inputs accumulate in float32.
 
   Args:
     a: decay, real or complex, broadcastable to `b` without changing `b`'s shape: per step
@@ -378,10 +395,12 @@ def linear_recurrence(
       sequential mode multiplies them step by step instead of storing the product.
     b: input `(..., T, ...)` with time on `axis`, real or complex.
     h0: initial state, `b`'s shape without the time axis; default zeros.
-    reset: optional boolean flags broadcastable to `b` (e.g. `(T, B, 1)` for `b` of
-      shape `(T, B, D)`); True clears the state before that step.
+    reset: optional booleans lined up with the leading axes of `b`: shaped `b.shape[:k]`
+      for some k > `axis` (time included), broadcast over the axes after them, e.g.
+      `(T,)` or `(T, B)` for `b` of shape `(T, B, D)`, `(B, T)` for `(B, T, D)` with
+      `axis=1`; axes of size 1 broadcast as well. True clears the state before that step.
     reverse: run from the last step to the first.
-    axis: time axis of `b` (and of `a`, `reset` once right-aligned with `b`).
+    axis: time axis of `b` (and of `a` once right-aligned with `b`, and of `reset`).
     mode: "auto", "sequential", "parallel" or "chunked" (see `ssmkit.scan.Mode`).
     chunk_size: chunk length for the chunked mode; default about sqrt(T).
     inner: in-chunk strategy of the chunked mode: "sequential", "parallel" or "cumsum".
@@ -400,6 +419,12 @@ def linear_recurrence(
       the same collectives. `h0` is read on the device holding the first step (the last
       when `reverse`), and the final state is the whole sequence's, the same on every
       device. Any `mode` runs the local slices.
+    overwrite_b: a speed hint for the sequential mode, which never changes the result:
+      write each state over `b` instead of into a new buffer. That saves a pass over
+      memory when `b` is computed inside the same jitted program and read nowhere else
+      (`b = x @ B` in a layer); when `b` is an argument of the program or still read
+      later, XLA copies it first, which costs more than it saves. The states are written
+      over a moved or cast copy of `b` anyway.
 
   Returns:
     `h` with `b`'s shape and the promoted dtype of `a`, `b` (and `h0`); with
@@ -422,9 +447,9 @@ def linear_recurrence(
     Martin & Cundy, "Parallelizing linear recurrent neural nets over sequence length",
     ICLR 2018; Blelloch, "Prefix sums and their applications", 1990.
   """
-  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name)
+  p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name, overwrite_b)
   if p.b.shape[0] == 0:
-    h, h_last = p.b, p.h0
+    h, h_last = p.b, _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype))
   elif axis_name is None:
     h, h_last = _recurrence(p.cfg, p.a, p.b, p.h0, p.reset)
   else:
@@ -465,7 +490,7 @@ def linear_recurrence_final_state(
   """
   p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None, axis_name)
   if p.b.shape[0] == 0:
-    return p.h0.astype(p.out_dtype)
+    return _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype)).astype(p.out_dtype)
   if axis_name is None:
     return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)
   h_final = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=False)

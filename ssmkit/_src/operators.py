@@ -122,6 +122,24 @@ def _align_flags(flags: jnp.ndarray, leaf: jnp.ndarray) -> jnp.ndarray:
   return flags.reshape(flags.shape + (1,) * (leaf.ndim - flags.ndim))
 
 
+def _pair(element: PyTree) -> tuple[jnp.ndarray, PyTree]:
+  """Checks that an element of a segmented scan is a `(reset, value)` pair of booleans and values."""
+  sequence = isinstance(element, (tuple, list))
+  if not (sequence and len(element) == 2):
+    what = f"a {type(element).__name__} of {len(element)}" if sequence else type(element).__name__
+    raise TypeError(
+        "`with_resets(fn)` scans `(reset, value)` pairs: pass elems as `(flags, value)` with "
+        f"boolean flags and `value` a pytree `fn` combines, got {what}."
+    )
+  flags, value = element
+  if getattr(flags, "dtype", None) != jnp.bool_:
+    raise TypeError(
+        "`with_resets(fn)` scans `(reset, value)` pairs: the first entry must be boolean flags, "
+        f"got {getattr(flags, 'dtype', type(flags).__name__)}."
+    )
+  return flags, value
+
+
 def with_resets(fn: Callable[[PyTree, PyTree], PyTree]) -> Operator:
   """Segmented version of `fn`: elements become `(reset, value)`.
 
@@ -146,8 +164,8 @@ def with_resets(fn: Callable[[PyTree, PyTree], PyTree]) -> Operator:
   """
 
   def combine(x, y):
-    r1, v1 = x
-    r2, v2 = y
+    r1, v1 = _pair(x)
+    r2, v2 = _pair(y)
     merged = fn(v1, v2)
     value = jax.tree.map(lambda new, keep: jnp.where(_align_flags(r2, keep), keep, new), merged, v2)
     return jnp.logical_or(r1, r2), value

@@ -76,12 +76,17 @@ def _scalar_or_per_step(
 
 
 def _check_lambda(lambda_: Array) -> None:
-  """Checks 0 <= lambda_ <= 1 where the value is known at trace time."""
+  """Checks lambda_ >= 0 where the value is known at trace time.
+
+  As rlax, values above 1 are accepted, eagerly and under `jit` alike: the same formulas
+  then weigh the bootstrapped tail more than the one-step target (rlax's own tests pass
+  importance ratios up to 2 as `lambda_`).
+  """
   if isinstance(lambda_, jax.core.Tracer):
     return
   value = np.asarray(lambda_)
-  if not np.all((value >= 0) & (value <= 1)):
-    raise ValueError(f"`lambda_` must lie in [0, 1], got values in [{value.min()}, {value.max()}].")
+  if not np.all(value >= 0):
+    raise ValueError(f"`lambda_` must be >= 0, got values down to {value.min()}.")
 
 
 def _trajectory(
@@ -180,7 +185,8 @@ def _lambda_recurrence(
     decay = (traj.discounts, lambda_)
     inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
   returns = linear_recurrence(
-      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name
+      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name,
+      overwrite_b=next_values is not None,  # computed here, unless they are the rewards
   )
   return _finish(returns, traj, stop_target_gradients)
 
@@ -288,7 +294,8 @@ def lambda_returns(
     rewards: `(..., T, ...)` float rewards, time on `axis`.
     discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
     values: `rewards`' shape: values of the states after each step.
-    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    lambda_: scalar or `rewards`' shape, >= 0 (checked when known at trace time);
+      values above 1 weigh each later step by more than 1, as rlax computes them.
     axis: time axis of every per-step argument.
     mode: scan mode, "auto", "sequential", "parallel" or "chunked" (same results).
     truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
@@ -344,7 +351,8 @@ def generalized_advantage_estimation(
     discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
     values: `rewards`' shape with T + 1 entries on `axis`: v(s_0) ... v(s_T), the last
       being the bootstrap value after the rollout.
-    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    lambda_: scalar or `rewards`' shape, >= 0 (checked when known at trace time);
+      values above 1 weigh each later step by more than 1, as rlax computes them.
     axis: time axis of every per-step argument.
     mode: scan mode, "auto", "sequential", "parallel" or "chunked" (same results).
     truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
@@ -392,7 +400,8 @@ def generalized_advantage_estimation(
   v_t, lambda_ = _cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
-      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name
+      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name,
+      overwrite_b=True,
   )
   return _finish(advantages, traj, stop_target_gradients)
 
@@ -422,7 +431,8 @@ def n_step_returns(
     discounts: `rewards`' shape or a scalar; 0 where an episode terminated.
     values: `rewards`' shape: values of the states after each step.
     n: the number of steps, a positive int.
-    lambda_: scalar or `rewards`' shape, in [0, 1] (checked when known at trace time).
+    lambda_: scalar or `rewards`' shape, >= 0 (checked when known at trace time);
+      values above 1 weigh each later step by more than 1, as rlax computes them.
     axis: time axis of every per-step argument.
     truncated: boolean flags, `rewards`' shape: True where an episode was cut by a time
       limit after that step (see `generalized_advantage_estimation`).

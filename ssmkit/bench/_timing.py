@@ -1,16 +1,24 @@
-"""Wall time, compile time, XLA memory and table formatting shared by the benchmarks."""
+"""Wall time, compile time, XLA memory, time budgets and tables shared by the benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import statistics
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
 
 K = TypeVar("K")
+T = TypeVar("T")
+
+# The longest a cell's timed samples may take together: a method at 1 s per call (a
+# sequential scan of 65536 steps on a GPU) gets 2 samples instead of `repeats`.
+CELL_BUDGET_S = 2.0
 
 # Printed instead of the criteria by a `--shapes small` run, whose timings are microseconds.
 SMALL_SHAPES_NOTE = "Criteria: judged on the full suite only (--shapes full), not on microseconds."
@@ -46,7 +54,11 @@ def _call_seconds(thunk: Callable[[], Any], calls: int) -> float:
 
 
 def interleaved_medians(
-    thunks: Mapping[K, Callable[[], Any]], *, repeats: int, min_sample_s: float = 0.01
+    thunks: Mapping[K, Callable[[], Any]],
+    *,
+    repeats: int,
+    min_sample_s: float = 0.01,
+    cell_budget_s: float = CELL_BUDGET_S,
 ) -> dict[K, float]:
   """Median wall time of one call of each thunk, the thunks taking turns.
 
@@ -55,28 +67,83 @@ def interleaved_medians(
   state) reaches all of them alike; the order rotates from round to round, so what a
   thunk leaves behind (freed buffers, evicted caches) does not always fall on the same
   next one. A sample of a fast thunk averages enough calls to last about `min_sample_s`,
-  above the timer's and the dispatcher's noise. Every call is waited for with
+  above the timer's and the dispatcher's noise; a slow thunk takes part in only as many
+  rounds as fit in `cell_budget_s` (at least one). Every call is waited for with
   `jax.block_until_ready`, so the time covers the computation and not only its dispatch.
 
   Args:
     thunks: the functions to time, called without arguments, by name.
     repeats: timed samples per thunk; the median is returned.
     min_sample_s: the shortest sample, in seconds.
+    cell_budget_s: the most seconds the samples of one thunk may take together.
 
   Returns:
     Seconds per call, by name.
   """
-  calls = {}
+  calls, rounds = {}, {}
   for name, thunk in thunks.items():
     _call_seconds(thunk, 1)
-    calls[name] = max(1, math.ceil(min_sample_s / _call_seconds(thunk, 1)))
+    estimate = _call_seconds(thunk, 1)
+    calls[name] = max(1, math.ceil(min_sample_s / estimate))
+    rounds[name] = max(1, min(repeats, int(cell_budget_s // (estimate * calls[name]))))
   samples = {name: [] for name in thunks}
   names = list(thunks)
   for round_ in range(repeats):
     # Each round starts one thunk later, so no thunk always runs right after the same one.
     for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-      samples[name].append(_call_seconds(thunks[name], calls[name]))
+      if len(samples[name]) < rounds[name]:
+        samples[name].append(_call_seconds(thunks[name], calls[name]))
   return {name: statistics.median(times) for name, times in samples.items()}
+
+
+class Budget:
+  """The wall-clock budget of `ssmkit bench all --budget-s`, and what it made skip."""
+
+  def __init__(self, seconds: float):
+    self.deadline = time.monotonic() + seconds
+    self.skipped: list[str] = []
+
+  def left(self) -> float:
+    return self.deadline - time.monotonic()
+
+
+_BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("budget", default=None)
+
+
+@contextlib.contextmanager
+def budget(seconds: float) -> Iterator[Budget]:
+  """Runs the benchmarks inside under a budget of `seconds` (see `within_budget`)."""
+  token = _BUDGET.set(Budget(seconds))
+  try:
+    yield _BUDGET.get()
+  finally:
+    _BUDGET.reset(token)
+
+
+def current_budget() -> Budget | None:
+  return _BUDGET.get()
+
+
+def within_budget(items: Sequence[T], benchmark: str) -> Iterator[T]:
+  """Yields `items` (a benchmark's shapes), each announced on stderr, until the budget ends.
+
+  Outside `budget` every item is yielded. Inside, an item is started only while the time
+  left is at least the longest item of this benchmark so far (any time for the first):
+  the rest are listed in the budget's `skipped`, and said to be skipped on stdout.
+  """
+  spent = current_budget()
+  longest = 0.0
+  for i, item in enumerate(items):
+    if spent is not None and (spent.left() <= 0 or spent.left() < longest):
+      left = [f"{benchmark}: {x}" for x in items[i:]]
+      spent.skipped.extend(left)
+      print(f"(budget spent: skipped {len(left)} of {len(items)}: {', '.join(map(str, items[i:]))})",
+            flush=True)
+      return
+    print(f"[{i + 1}/{len(items)}] {item}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    yield item
+    longest = max(longest, time.monotonic() - start)
 
 
 def significant(x: float, digits: int = 3) -> str:
@@ -85,6 +152,20 @@ def significant(x: float, digits: int = 3) -> str:
     return str(x)
   decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
   return f"{x:.{decimals}f}"
+
+
+def _line(cells: Sequence[str], widths: Sequence[int], markdown: bool, labels: int) -> str:
+  padded = [
+      c.ljust(w) if i < labels else c.rjust(w)
+      for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+  ]
+  return f"| {' | '.join(padded)} |" if markdown else "  ".join(padded).rstrip()
+
+
+def _rules(widths: Sequence[int], markdown: bool, labels: int) -> list[str]:
+  if markdown:
+    return [("-" * w if i < labels else "-" * (w - 1) + ":") for i, w in enumerate(widths)]
+  return ["-" * w for w in widths]
 
 
 def format_table(
@@ -103,16 +184,32 @@ def format_table(
     The table, one line per row, without a trailing newline.
   """
   widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+  lines = [headers, _rules(widths, markdown, labels), *rows]
+  return "\n".join(_line(cells, widths, markdown, labels) for cells in lines)
 
-  def line(cells: Sequence[str]) -> str:
-    padded = [
-        c.ljust(w) if i < labels else c.rjust(w)
-        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+
+class StreamedTable:
+  """A table printed a few rows at a time, as they are measured.
+
+  Label columns are as wide as the longest label known beforehand (`label_values`), number
+  columns as their header or `number_width`; a wider number shifts its row, in plain text
+  only.
+  """
+
+  def __init__(self, headers: Sequence[str], label_values: Sequence[Iterable[str]], *,
+               markdown: bool, number_width: int = 8):
+    self.labels = len(label_values)
+    self.widths = [
+        max([len(h), *map(len, label_values[i])]) if i < self.labels else max(len(h), number_width)
+        for i, h in enumerate(headers)
     ]
-    return f"| {' | '.join(padded)} |" if markdown else "  ".join(padded).rstrip()
+    self.markdown = markdown
+    self._print(headers)
+    self._print(_rules(self.widths, markdown, self.labels))
 
-  if markdown:
-    rules = [("-" * w if i < labels else "-" * (w - 1) + ":") for i, w in enumerate(widths)]
-  else:
-    rules = ["-" * w for w in widths]
-  return "\n".join([line(headers), line(rules), *(line(r) for r in rows)])
+  def _print(self, cells: Sequence[str]) -> None:
+    print(_line(cells, self.widths, self.markdown, self.labels), flush=True)
+
+  def add(self, rows: Iterable[Sequence[str]]) -> None:
+    for row in rows:
+      self._print(row)

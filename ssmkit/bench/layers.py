@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -129,29 +129,27 @@ def _mib(n: int | None) -> str:
   return "n/a" if n is None else _timing.significant(n / 2**20)
 
 
-def _layer_table(results: list[Result], markdown: bool) -> str:
-  rows = []
-  for layer, shape in dict.fromkeys((r.layer, r.shape) for r in results):
-    group = [r for r in results if (r.layer, r.shape) == (layer, shape)]
-    base = next(r for r in group if r.mode == REFERENCE)
-    tokens = shape.batch * shape.length
-    rows.extend(
-        (
-            layer,
-            str(shape),
-            r.mode,
-            _timing.significant(tokens / r.forward_s / 1e6),
-            f"{base.forward_s / r.forward_s:.2f}",
-            _timing.significant(tokens / r.backward_s / 1e6),
-            f"{base.backward_s / r.backward_s:.2f}",
-            _mib(r.forward_bytes),
-            _mib(r.backward_bytes),
-        )
-        for r in group
-    )
-  headers = ("layer", "shape", "mode", "fwd Mtok/s", "x parallel", "fwd+bwd Mtok/s", "x parallel",
-             "fwd temp MiB", "fwd+bwd temp MiB")
-  return _timing.format_table(headers, rows, markdown=markdown, labels=3)
+LAYER_HEADERS = ("layer", "shape", "mode", "fwd Mtok/s", "x parallel", "fwd+bwd Mtok/s",
+                 "x parallel", "fwd temp MiB", "fwd+bwd temp MiB")
+
+
+def _layer_rows(group: list[Result]) -> list[tuple[str, ...]]:
+  """The table rows of one layer at one shape."""
+  base = next(r for r in group if r.mode == REFERENCE)
+  return [
+      (
+          r.layer,
+          str(r.shape),
+          r.mode,
+          _timing.significant(r.shape.batch * r.shape.length / r.forward_s / 1e6),
+          f"{base.forward_s / r.forward_s:.2f}",
+          _timing.significant(r.shape.batch * r.shape.length / r.backward_s / 1e6),
+          f"{base.backward_s / r.backward_s:.2f}",
+          _mib(r.forward_bytes),
+          _mib(r.backward_bytes),
+      )
+      for r in group
+  ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,29 +211,41 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
           f"{', '.join(LAYERS)}.", file=sys.stderr)
     return 2
   names = layers or suite.only_layers or tuple(LAYERS)
-  results = []
-  cells = [(name, shape) for shape in suite.shapes for name in names]
-  for i, (name, shape) in enumerate(cells):
-    print(f"[{i + 1}/{len(cells)}] {name} {shape}", file=sys.stderr, flush=True)
-    results.extend(_bench_layer(name, shape, suite, repeats, jax.random.key(i)))
-  depth = []
-  for blocks in suite.depths if "LRU" in names else ():
-    print(f"[depth] {blocks}-block LRU model {suite.model_shape}", file=sys.stderr, flush=True)
-    depth.extend(_bench_depth(blocks, suite.model_shape, repeats, jax.random.key(blocks)))
   device = jax.devices()[0]
   print(
       f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
-      f"{repeats} samples, modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
-      f"(lax.associative_scan) mode's time over the mode's. Layers: "
+      f"{repeats} samples (fewer where they would take over {_timing.CELL_BUDGET_S:g} s), "
+      "modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
+      "(lax.associative_scan) mode's time over the mode's. Layers: "
       + ", ".join(f"{n}(d_state={LAYERS[n].keywords['d_state']})" for n in names)
       + "."
   )
   print()
-  print(_layer_table(results, markdown))
+  cells = [_Cell(name, shape) for shape in suite.shapes for name in names]
+  all_modes = sorted({m for name in names for m in suite.only_modes or modes(name)}, key=len)
+  table = _timing.StreamedTable(
+      LAYER_HEADERS, [names, [str(s) for s in suite.shapes], all_modes], markdown=markdown
+  )
+  for i, cell in enumerate(_timing.within_budget(cells, "layers")):
+    table.add(_layer_rows(_bench_layer(cell.layer, cell.shape, suite, repeats, jax.random.key(i))))
+  depths = suite.depths if "LRU" in names else ()
+  if not depths:
+    return 0
+  print()
+  print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
+        "over stacked parameters; compile s: tracing, lowering and compiling.")
+  print()
+  depth = []
+  for blocks in _timing.within_budget(depths, "layers depth"):
+    depth.extend(_bench_depth(blocks, suite.model_shape, repeats, jax.random.key(blocks)))
   if depth:
-    print()
-    print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
-          "over stacked parameters; compile s: tracing, lowering and compiling.")
-    print()
     print(_depth_table(depth, markdown))
   return 0
+
+
+class _Cell(NamedTuple):
+  layer: str
+  shape: Shape
+
+  def __str__(self) -> str:
+    return f"{self.layer} {self.shape}"

@@ -8,13 +8,13 @@ trajectory, so its batched baseline is `jax.jit(jax.vmap(rlax_fn))` with the vma
 of the layout: a user with time-major `(T, B)` data maps over axis 1, one with batch-major
 `(B, T)` data over axis 0. Every ssmkit mode is first checked against rlax's result, so
 the table compares equal results; time is the median of interleaved samples after warm-up.
+Each case's rows are printed as soon as they are measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 
 import jax
@@ -183,23 +183,22 @@ def _bench_case(case: Case, repeats: int, key: Array) -> list[Result]:
   ]
 
 
-def _table(results: list[Result], markdown: bool) -> str:
-  rows = []
-  for case in dict.fromkeys(r.case for r in results):
-    group = [r for r in results if r.case == case]
-    base = next(r.seconds for r in group if r.method == RLAX)
-    rows.extend(
-        (
-            str(case),
-            r.method,
-            _timing.significant(r.seconds * 1e3),
-            f"{base / r.seconds:.2f}",
-            "n/a" if r.temp_bytes is None else _timing.significant(r.temp_bytes / 2**20),
-        )
-        for r in group
-    )
-  headers = ("case", "method", "ms", "speed-up vs rlax", "temp MiB")
-  return _timing.format_table(headers, rows, markdown=markdown, labels=2)
+HEADERS = ("case", "method", "ms", "speed-up vs rlax", "temp MiB")
+
+
+def _rows(group: list[Result]) -> list[tuple[str, ...]]:
+  """The table rows of one case's results."""
+  base = next(r.seconds for r in group if r.method == RLAX)
+  return [
+      (
+          str(r.case),
+          r.method,
+          _timing.significant(r.seconds * 1e3),
+          f"{base / r.seconds:.2f}",
+          "n/a" if r.temp_bytes is None else _timing.significant(r.temp_bytes / 2**20),
+      )
+      for r in group
+  ]
 
 
 def criteria(results: list[Result]) -> list[tuple[bool, str]]:
@@ -218,24 +217,30 @@ def criteria(results: list[Result]) -> list[tuple[bool, str]]:
 
 
 def run(*, shapes: str, repeats: int, markdown: bool) -> int:
-  """Runs the cases of the suite `shapes` ("full" or "small") and prints table and criteria.
+  """Runs the cases of the suite `shapes` ("full" or "small"), printing each case's rows as
+  measured, then the criteria.
 
   Returns:
     0, the exit status; a failed criterion is reported, not raised.
   """
-  results = []
   cases = SUITES[shapes]
-  for i, case in enumerate(cases):
-    print(f"[{i + 1}/{len(cases)}] {case}", file=sys.stderr, flush=True)
-    results.extend(_bench_case(case, repeats, jax.random.key(i)))
   device = jax.devices()[0]
   print(
       f"jax {jax.__version__}, rlax {rlax.__version__}, {device.platform} "
-      f"({device.device_kind}), float32; median of {repeats} samples, methods taking turns; "
-      f"everything jitted. speed-up: rlax's time over the method's."
+      f"({device.device_kind}), float32; median of {repeats} samples (fewer where they would "
+      f"take over {_timing.CELL_BUDGET_S:g} s), methods taking turns; everything jitted. "
+      "speed-up: rlax's time over the method's."
   )
   print()
-  print(_table(results, markdown))
+  methods = [RLAX, *(f"ssmkit {m}" for m in MODES)]
+  table = _timing.StreamedTable(HEADERS, [[str(c) for c in cases], methods], markdown=markdown)
+  results = []
+  for i, case in enumerate(_timing.within_budget(cases, "rl")):
+    group = _bench_case(case, repeats, jax.random.key(i))
+    table.add(_rows(group))
+    results.extend(group)
+  if not results:
+    return 0
   print()
   if shapes == "full":
     print("Criteria (ssmkit auto against jit(vmap(rlax))):")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 
 import jax
@@ -142,28 +141,31 @@ def _gathered_kib(shape: Shape, devices: int) -> str:
   return _timing.significant(devices * 2 * shape.features * 4 / 2**10)
 
 
-def _table(results: list[Result], devices: int, markdown: bool) -> str:
-  headers = ("shape", "method", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "max rel err",
-             "gathered KiB")
-  rows = []
-  for shape in dict.fromkeys(r.shape for r in results):
-    group = {r.method: r for r in results if r.shape == shape}
-    for r in group.values():
-      rows.append((
-          str(shape),
+HEADERS = ("shape", "method", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "max rel err",
+           "gathered KiB")
+
+
+def _rows(group: list[Result], devices: int) -> list[tuple[str, ...]]:
+  """The table rows of one shape's results."""
+  one = next(r for r in group if r.method == ONE)
+  return [
+      (
+          str(r.shape),
           r.method if r.method == ONE else f"{r.method} x{devices}",
           _timing.significant(r.forward_s * 1e3),
-          f"{r.forward_s / group[ONE].forward_s:.2f}",
+          f"{r.forward_s / one.forward_s:.2f}",
           _timing.significant(r.gradient_s * 1e3),
-          f"{r.gradient_s / group[ONE].gradient_s:.2f}",
+          f"{r.gradient_s / one.gradient_s:.2f}",
           "-" if r.error is None else f"{r.error:.1e}",
-          "-" if r.method == ONE else _gathered_kib(shape, devices),
-      ))
-  return _timing.format_table(headers, rows, markdown=markdown, labels=2)
+          "-" if r.method == ONE else _gathered_kib(r.shape, devices),
+      )
+      for r in group
+  ]
 
 
 def run(*, shapes: str, repeats: int, markdown: bool) -> int:
-  """Runs the benchmark suite named `shapes` on every device and prints the table.
+  """Runs the benchmark suite named `shapes` on every device, printing each shape's rows as
+  measured.
 
   Args:
     shapes: a key of `SUITES`: "full", or "small" for a run of a few seconds.
@@ -184,14 +186,11 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   mesh = Mesh(np.array(devices), ("seq",))
   n = len(devices)
   suite = [Shape(s.length - s.length % n, s.features) for s in SUITES[shapes]]
-  results = []
-  for i, shape in enumerate(suite):
-    print(f"[{i + 1}/{len(suite)}] {shape}", file=sys.stderr, flush=True)
-    results.extend(_bench_shape(shape, mesh, repeats, jax.random.key(i)))
   device = devices[0]
   print(
       f"jax {jax.__version__}, {n} {device.platform} devices ({device.device_kind}), float32; "
-      f"median of {repeats} samples per time, methods taking turns. x: time over {ONE}'s."
+      f"median of {repeats} samples per time (fewer where they would take over "
+      f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x: time over {ONE}'s."
   )
   if device.platform == "cpu":
     print(
@@ -203,5 +202,9 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
       "device holds after the forward all-gather; the backward pass reduce-scatters as much."
   )
   print()
-  print(_table(results, n, markdown))
+  table = _timing.StreamedTable(
+      HEADERS, [[str(s) for s in suite], [ONE, f"{SPLIT} x{n}"]], markdown=markdown
+  )
+  for i, shape in enumerate(_timing.within_budget(suite, "sequence-parallel")):
+    table.add(_rows(_bench_shape(shape, mesh, repeats, jax.random.key(i)), n))
   return 0

@@ -109,7 +109,7 @@ class SSMBlock(nn.Module):
 
     Args:
       x: `(..., T, H)` inputs.
-      mask: optional `(..., T)` booleans, True on real steps.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
       reset: optional `(..., T)` booleans; True clears the SSM state before that step.
       initial_state: optional SSM state to start from, as `step` makes it; default zeros.
       return_state: also return the SSM state after the last step (padding included).
@@ -147,13 +147,20 @@ class SSMBlock(nn.Module):
 
 
 def check_mask(mask: Array | None, x: Array) -> Array | None:
-  """Checks `mask`: None or `(..., T)` booleans for `(..., T, H)` inputs `x`."""
+  """Checks `mask` against `(..., T, H)` inputs `x` and returns it as `(..., T)` booleans.
+
+  The mask has the batch and time axes of `x` (`x.shape[:-1]`); batch axes of size 1
+  broadcast, so `(1, T)` marks the same steps of every sequence.
+  """
   if mask is None:
     return None
   mask = jnp.asarray(mask)
-  if mask.dtype != jnp.bool_ or mask.shape != x.shape[:-1]:
+  shape = x.shape[:-1]
+  fits = mask.ndim == len(shape) and mask.shape[-1:] == shape[-1:] and all(
+      m in (1, n) for m, n in zip(mask.shape, shape, strict=True))
+  if mask.dtype != jnp.bool_ or not fits:
     raise ValueError(
-        f"`mask` must be booleans of shape {x.shape[:-1]} (`x` without its feature axis), "
-        f"got {mask.dtype} {mask.shape}."
+        f"`mask` must be booleans of shape {shape} (`x` without its feature axis; batch axes "
+        f"of size 1 broadcast), got {mask.dtype} {mask.shape}."
     )
-  return mask
+  return jnp.broadcast_to(mask, shape)

@@ -41,6 +41,12 @@ def constant(value: np.ndarray) -> nn.initializers.Initializer:
   return init
 
 
+def check_positive_int(value: Any, name: str) -> None:
+  """Raises a ValueError naming `name` unless `value` is a positive int (a layer attribute)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
 def leading_ones(v: Array, ndim: int) -> Array:
   """`v` with leading axes of size 1 up to rank `ndim`, for explicit broadcasting."""
   return v.reshape((1,) * (ndim - v.ndim) + v.shape)

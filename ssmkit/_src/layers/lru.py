@@ -67,6 +67,10 @@ class LRU(nn.Module):
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"nu_log", "theta_log", "gamma_log", "B_re", "B_im"}))
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   @nn.compact
   def _parameters(self, features: int) -> tuple[Array, Array, Array, Array, Array, Array]:
     """(lambda, B_re, B_im (gamma-scaled, `(N, H)`), C_re, C_im `(H, N)`, D `(H,)`)."""
@@ -124,9 +128,9 @@ class LRU(nn.Module):
     lam, b_re, b_im, c_re, c_im, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = self._input(xf, b_re, b_im)
-    flags = None if reset is None else reset[..., None]
-    h, last = linear_recurrence(lam, inputs, initial_state, reset=flags, axis=-2, mode=mode,
-                                return_final_state=True, axis_name=axis_name)
+    h, last = linear_recurrence(lam, inputs, initial_state, reset=reset, axis=-2, mode=mode,
+                                return_final_state=True, axis_name=axis_name,
+                                overwrite_b=True)
     y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
     return (y, last) if return_state else y
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from ssmkit._src.layers import common
 from ssmkit._src.layers.selective_scan import selective_scan
 from ssmkit._src.linear_recurrence import accumulation_dtype
+from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
@@ -94,6 +95,10 @@ class Mamba(nn.Module):
   # As in the Mamba code: A, D and the biases at the base learning rate without weight decay.
   parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "D", "conv_bias"}))
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   @nn.compact
   def _parameters(self, features: int) -> _Params:
     inner, n, dtype = self.expand * features, self.d_state, self.param_dtype
@@ -126,7 +131,7 @@ class Mamba(nn.Module):
     y = y + u * common.leading_ones(p.d, u.ndim)
     return (y * jax.nn.silu(z)) @ p.w_out
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: MambaState | None = None, return_state: bool = False
                ) -> Array | tuple[Array, MambaState]:
     """Runs the whole sequence.
@@ -134,8 +139,14 @@ class Mamba(nn.Module):
     Args:
       x: `(..., T, H)` inputs.
       reset: optional `(..., T)` booleans; True starts a new episode at that step.
-      mode: scan mode of the selective recurrence ("auto", "sequential", "parallel",
-        "chunked"; see `selective_scan`).
+      mode: scan mode of the selective recurrence. "sequential" runs one loop over time
+        that contracts the state with C inside each step, its gradient replaying one chunk
+        of about sqrt(T) steps at a time (the fastest on CPU); "chunked" runs each chunk's
+        `(L, ..., d_inner, N)` recurrence in the parallel mode of
+        `ssmkit.scan.linear_recurrence` and carries the state from chunk to chunk;
+        "parallel" does so over the whole sequence at once (T states in memory); "auto"
+        is "sequential" on CPU and for T <= 64, else "chunked". Every mode gives the same
+        outputs.
       initial_state: optional `MambaState` to start from, as `step` makes it; default zeros.
       return_state: also return the state after the last step.
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ssmkit._src.layers import common
 from ssmkit._src.layers.block import ModuleDef, Norm, SSMBlock, check_choice, check_mask
@@ -128,7 +130,12 @@ class SequenceModel(nn.Module):
 
     Args:
       x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
-      mask: optional `(..., T)` booleans, True on real steps; padding must come after them.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1
+        broadcast). Padding may come after the real steps or before them: pooling reads
+        only real steps, and the layers see zeros at padded steps, which leave the state
+        of LRU, S4D and S5 at zero, so left padding changes nothing there either. Mamba's
+        convolution bias moves its state during padding: pass `reset` True at the first
+        real step to start it there.
       reset: optional `(..., T)` booleans; True clears every block's state before that step.
       initial_state: optional state to start from, as `initialize_state` or `step` makes it
         (e.g. the state at the start of a rollout); default zeros.
@@ -184,7 +191,10 @@ class SequenceModel(nn.Module):
 
 
 def _pool(x: Array, mask: Array | None, pooling: str) -> Array:
-  """Pools `(..., T, H)` over the real steps of `mask` (`(..., T)`, padding last)."""
+  """Pools `(..., T, H)` over the real steps of `mask` (`(..., T)`, padding anywhere).
+
+  A sequence without real steps pools to zeros.
+  """
   if pooling == "none":
     return x
   if mask is None:
@@ -192,25 +202,71 @@ def _pool(x: Array, mask: Array | None, pooling: str) -> Array:
   if pooling == "mean":
     count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(x.dtype)
     return jnp.sum(jnp.where(mask[..., None], x, jnp.zeros_like(x)), axis=-2) / count
-  last = jnp.maximum(jnp.sum(mask, axis=-1) - 1, 0)
-  return jnp.take_along_axis(x, last[..., None, None], axis=-2)[..., 0, :]
+  last = mask.shape[-1] - 1 - jnp.argmax(jnp.flip(mask, axis=-1), axis=-1)
+  pooled = jnp.take_along_axis(x, last[..., None, None], axis=-2)[..., 0, :]
+  return jnp.where(jnp.any(mask, axis=-1)[..., None], pooled, jnp.zeros_like(pooled))
+
+
+def _filter_logits(logits: Array, top_k: int | None = None, top_p: Array | float | None = None
+                  ) -> Array:
+  """`logits` with -inf outside the `top_k` largest and outside the nucleus of mass `top_p`.
+
+  top-k keeps the logits at least as large as the k-th largest; top-p (nucleus) then keeps
+  the most probable tokens whose probabilities, in decreasing order, first sum to `top_p`
+  or more (the most probable token always stays). Ties at a threshold are all kept.
+
+  Args:
+    logits: `(..., V)` logits over the last axis.
+    top_k: keep this many (a Python int in [1, V]), or None for all.
+    top_p: nucleus mass in (0, 1], possibly traced, or None for all.
+
+  Returns:
+    Logits of `logits`' shape and dtype.
+  """
+  neg_inf = jnp.full_like(logits, -jnp.inf)
+  if top_k is not None:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, neg_inf, logits)
+  if top_p is not None:
+    ordered = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens more likely than each
+    kept = jnp.sum(before < top_p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+    logits = jnp.where(logits < threshold, neg_inf, logits)
+  return logits
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
 
 
 def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int, *,
-             rng: Array | None = None, temperature: float = 1.0) -> Array:
+             rng: Array | None = None, temperature: float | Array = 1.0, top_k: int | None = None,
+             top_p: float | Array | None = None, eos_token: int | Array | None = None) -> Array:
   """Continues token sequences with a causal `SequenceModel`.
 
   The prompt runs as one sequence (in any scan mode's parallel form), then the model continues
   one step at a time from its last state: each next token is drawn from
-  softmax(logits / temperature), or taken greedily when `temperature` is 0.
+  softmax(logits / temperature) restricted to the `top_k` most likely tokens (ties at the
+  k-th kept) and then to the nucleus of mass `top_p` (the most likely tokens whose
+  probabilities first sum to `top_p` or more), or taken greedily when `temperature` is 0.
+  The whole continuation is one jitted program, compiled once per model, shapes and
+  `top_k`: later calls with other prompts, variables, keys, temperatures, `top_p` or
+  `eos_token` of the same shapes reuse it.
 
   Args:
     model: a `SequenceModel` with `vocab_size` set and pooling "none".
     variables: its variables (`{"params": ...}`, plus "batch_stats" with BatchNorm).
     prompt: `(*batch, P)` int tokens, P >= 1.
-    num_steps: number of tokens to generate.
+    num_steps: number of tokens to generate (a Python int).
     rng: PRNG key for sampling; needed unless `temperature` is 0.
-    temperature: softmax temperature; 0 for greedy decoding.
+    temperature: softmax temperature >= 0, a number or a traced scalar; 0 for greedy
+      decoding (then `top_k` and `top_p` change nothing).
+    top_k: sample among the `top_k` most likely tokens (a Python int); 1 is greedy.
+    top_p: sample within the nucleus of probability mass `top_p` in (0, 1].
+    eos_token: the end token: a sequence that has generated it continues with it, so each
+      sequence stops at its own end.
 
   Returns:
     `(*batch, num_steps)` int32 generated tokens.
@@ -221,22 +277,47 @@ def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int
   if not jnp.issubdtype(prompt.dtype, jnp.integer) or prompt.ndim < 1 or prompt.shape[-1] < 1:
     raise ValueError(f"`prompt` must be integer tokens `(*batch, P)` with P >= 1, got {prompt.dtype} "
                      f"{prompt.shape}.")
-  if temperature < 0:
+  if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
+    raise ValueError(f"`num_steps` must be a non-negative int, got {num_steps!r}.")
+  greedy = _is_concrete(temperature) and np.all(np.asarray(temperature) == 0)
+  if _is_concrete(temperature) and np.any(np.asarray(temperature) < 0):
     raise ValueError(f"`temperature` must be >= 0, got {temperature}.")
-  if temperature > 0 and rng is None:
-    raise ValueError("`rng` is needed to sample with `temperature` > 0.")
-  step = lambda state, token: model.apply(variables, state, token, method="step")
+  if rng is None and not greedy:
+    raise ValueError("`rng` is needed to sample unless `temperature` is 0.")
+  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                            or not 1 <= top_k <= model.num_outputs):
+    raise ValueError(f"`top_k` must be an int in [1, {model.num_outputs}] or None, got {top_k!r}.")
+  if top_p is not None and _is_concrete(top_p) and not 0 < float(top_p) <= 1:
+    raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
+  if eos_token is not None and _is_concrete(eos_token) and not 0 <= int(eos_token) < model.num_outputs:
+    raise ValueError(f"`eos_token` must be a token in [0, {model.num_outputs}), got {eos_token}.")
+  return _generate(model, variables, prompt, int(num_steps), jax.random.key(0) if rng is None else rng,
+                   jnp.asarray(temperature, jnp.float32), None if top_k is None else int(top_k),
+                   top_p, eos_token)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_steps", "top_k"))
+def _generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int, rng: Array,
+              temperature: Array, top_k: int | None, top_p: Array | None,
+              eos_token: Array | None) -> Array:
+  """`generate` after its checks: one program per model, shapes and `top_k`."""
   logits, state = model.apply(variables, prompt, return_state=True)
-  keys = jax.random.split(jax.random.key(0) if rng is None else rng, num_steps)
+  sampling = temperature > 0
+  scale = jnp.where(sampling, temperature, 1.0)
 
   def sample(carry, key):
-    state, logits = carry
-    if temperature == 0:
-      token = jnp.argmax(logits, axis=-1)
-    else:
-      token = jax.random.categorical(key, logits / temperature, axis=-1)
+    state, logits, done = carry
+    greedy = jnp.argmax(logits, axis=-1)
+    filtered = _filter_logits(logits / scale.astype(logits.dtype), top_k, top_p)
+    token = jnp.where(sampling, jax.random.categorical(key, filtered, axis=-1), greedy)
     token = token.astype(jnp.int32)
-    return step(state, token), token
+    if eos_token is not None:
+      token = jnp.where(done, eos_token, token)
+      done = done | (token == eos_token)
+    state, logits = model.apply(variables, state, token, method="step")
+    return (state, logits, done), token
 
-  _, generated = jax.lax.scan(sample, (state, logits[..., -1, :]), keys)
+  done = jnp.zeros(prompt.shape[:-1], bool)
+  keys = jax.random.split(rng, num_steps)
+  _, generated = jax.lax.scan(sample, (state, logits[..., -1, :], done), keys)
   return jnp.moveaxis(generated, 0, -1)

@@ -12,6 +12,7 @@ import numpy as np
 from ssmkit._src import discretization, hippo
 from ssmkit._src.layers import common
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.modes import Mode, parse_mode
 
 Array = jax.Array
 
@@ -52,8 +53,12 @@ class S4D(nn.Module):
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"log_dt", "log_a_real", "a_imag", "B_re", "B_im"}))
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   def _initial_modes(self) -> tuple[np.ndarray, np.ndarray]:
-    if self.d_state < 2 or self.d_state % 2:
+    if self.d_state % 2:
       raise ValueError(f"`d_state` must be a positive even int, got {self.d_state!r}.")
     modes = self.d_state // 2
     if self.a_init == "legs":
@@ -92,7 +97,7 @@ class S4D(nn.Module):
     powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
     return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Array | None = None, return_state: bool = False
                ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
@@ -119,7 +124,8 @@ class S4D(nn.Module):
           "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
       )
     common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
-    if mode == "auto" and reset is None and not stateful:
+    mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
+    if mode is Mode.AUTO and reset is None and not stateful:
       mode = CONVOLUTION
     length, features = x.shape[-2:]
     xf = x.astype(accumulation_dtype(x.dtype))
@@ -148,22 +154,23 @@ class S4D(nn.Module):
       y = y + common.shift_back(backward, axis=-2)
     return y
 
-  def _recurrence(self, x: Array, reset: Array | None, mode: str, initial_state: Array | None
+  def _recurrence(self, x: Array, reset: Array | None, mode: Mode, initial_state: Array | None
                   ) -> tuple[Array, Array]:
     """Outputs without the skip term, and the forward state after the last step."""
     a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
     inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
-    flags = None if reset is None else reset[..., None, None]
-    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=flags, axis=-3, mode=mode,
-                                return_final_state=True)
+    # The last recurrence to read `inputs` may write its states over them.
+    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
+                                return_final_state=True, overwrite_b=not self.bidirectional)
     y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
     if self.bidirectional:
       # Step t reads the backward state after step t + 1: none when an episode starts there.
-      after = None if flags is None else common.shift_back(flags, axis=-3)
-      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode)
+      after = None if reset is None else common.shift_back(reset, axis=-1)
+      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode,
+                            overwrite_b=True)
       h = common.shift_back(h, axis=-3)
       if after is not None:
-        h = jnp.where(after, jnp.zeros_like(h), h)
+        h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
       y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
     return y, last
 

@@ -67,6 +67,10 @@ class S5(nn.Module):
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"Lambda_re", "Lambda_im", "B", "log_dt"}))
 
+  def __post_init__(self) -> None:
+    common.check_positive_int(self.d_state, "d_state")
+    super().__post_init__()
+
   def _eigenbasis(self) -> tuple[np.ndarray, np.ndarray]:
     """Initial Lambda `(modes,)` and V `(P, modes)`, complex128."""
     p, j = self.d_state, self.blocks
@@ -140,14 +144,15 @@ class S5(nn.Module):
     lam_bar, b_bar, c, d = self._parameters(x.shape[-1])
     xf = x.astype(accumulation_dtype(x.dtype))
     inputs = xf.astype(b_bar.dtype) @ b_bar.T
-    flags = None if reset is None else reset[..., None]
-    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=flags, axis=-2, mode=mode,
-                                return_final_state=True)
+    # The last recurrence to read `inputs` may write its states over them.
+    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=reset, axis=-2, mode=mode,
+                                return_final_state=True, overwrite_b=not self.bidirectional)
     y = self._read(h, c[0])
     if self.bidirectional:
       # Backwards, step t starts afresh when a new episode starts at t + 1.
-      after = None if flags is None else common.shift_back(flags, axis=-2)
-      h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode)
+      after = None if reset is None else common.shift_back(reset, axis=-1)
+      h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode,
+                            overwrite_b=True)
       y = y + self._read(h, c[1])
     y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
     return (y, last) if return_state else y

@@ -6,6 +6,7 @@ decays, inputs and states that running `linear_recurrence` and contracting after
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -13,124 +14,112 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
-from ssmkit._src.modes import Mode, default_chunk_size, parse_mode, resolve_mode
+from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence, nonzero_tangents
+from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array
 # Inside, time leads in chunks and batch axes are flattened: u, dt `(n, L, B, D)`, b, c
 # `(n, L, B, N)`, reset `(n, L, B)` or None; states are `(B, N, D)` (D last: it vectorises
 # better than N, and the contraction with C becomes a sum over a middle axis).
-Chunks = tuple[Array, Array, Array, Array, Array | None]
+Chunks = tuple[Array, Array, Array, Array]
 
 
-def _advance(a_t: Array, h: Array, step: tuple) -> tuple[Array, Array]:
-  """One step from `(B, N, D)` state `h`: (h_{t-1} after the reset, h_t)."""
-  u, dt, b, _, reset = step
+def _step(a_t: Array, h: Array, u: Array, dt: Array, b: Array, c: Array,
+          reset: Array | None) -> tuple[Array, Array]:
+  """One step from `(B, N, D)` state `h`: the next state and the `(B, D)` output.
+
+  `a_t` is `(N, D)`, or `(B, N, D)` when broadcast over the batch.
+  """
   if reset is not None:
     h = jnp.where(reset[:, None, None], jnp.zeros_like(h), h)
-  decay = jnp.exp(dt[:, None, :] * a_t[None])
-  return h, decay * h + b[:, :, None] * (dt * u)[:, None, :]
-
-
-def _contract(h: Array, c: Array) -> Array:
-  """y = sum_n h[:, n, :] * c[:, n] for `(..., N, D)` states and `(..., N)` c."""
-  return jnp.sum(h * c[..., None], axis=-2)
+  decay = jnp.exp(dt[:, None, :] * a_t.reshape((1,) * (3 - a_t.ndim) + a_t.shape))
+  h = decay * h + b[:, :, None] * (dt * u)[:, None, :]
+  return h, jnp.sum(h * c[..., None], axis=-2)
 
 
 def _run(a_t: Array, h: Array, xs: tuple) -> tuple[Array, Array]:
   """(last state, y) of the steps in `xs`, time leading, from state `h`."""
-
-  def step(h, x_t):
-    h = _advance(a_t, h, x_t)[1]
-    return h, _contract(h, x_t[3])
-
-  return lax.scan(step, h, xs)
+  return lax.scan(lambda h, x_t: _step(a_t, h, *x_t), h, xs)
 
 
-@jax.custom_vjp
-def _fused(a_t: Array, h0: Array, xs: Chunks) -> tuple[Array, Array]:
-  """(y `(n, L, B, D)`, last state) one step at a time; the gradient replays one chunk at a time.
+@jax.custom_jvp
+def _fused(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> tuple[Array, Array]:
+  """(y `(n, L, B, D)`, last state) one step at a time.
 
-  Without a gradient the steps run as one loop over time, which is faster than a loop over
-  chunks of loops.
+  Without derivatives the steps run as one loop over time, which is faster than a loop
+  over chunks of loops.
   """
-  last, y = _run(a_t, h0, jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), xs))
+  merge = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+  last, y = _run(a_t, h0, (*map(merge, xs), None if reset is None else merge(reset)))
   return y.reshape(xs[0].shape), last
 
 
-def _fused_fwd(a_t, h0, xs):
-  """Runs chunk by chunk and keeps the `(n, B, N, D)` state entering each chunk."""
+@functools.partial(_fused.defjvp, symbolic_zeros=True)
+def _fused_jvp(primals, tangents):
+  """States and their tangents advance together, one chunk at a time.
 
-  def chunk(h, xs_c):
-    last, y = _run(a_t, h, xs_c)
-    return last, (y, h)
-
-  last, (y, starts) = lax.scan(chunk, h0, xs)
-  return (y, last), (a_t, xs, starts)
-
-
-def _fused_bwd(residuals, cotangents):
-  """Per chunk, last first: replay its states from the stored start, then step back.
-
-  With lam_t the cotangent of h_t (g_t C_t plus what flows back from h_{t+1}) and q_t =
-  lam_t * exp(dt_t A) * h_{t-1}: dC_t = sum_d g_t h_t, dB_t = sum_d lam_t dt_t u_t,
-  du_t = dt_t sum_n lam_t B_t, ddt_t = sum_n q_t A + u_t sum_n lam_t B_t, dA = sum q_t dt_t.
-  dA is accumulated per batch element (an elementwise update) and summed at the end.
+  Each chunk is checkpointed: reverse mode (JAX transposing these tangents) keeps only the
+  `(n, B, N, D)` state entering each chunk and replays one chunk's states at a time, so the
+  `(..., T, D, N)` states are never all stored.
   """
-  a_t, xs, starts = residuals
-  g_y, g_last = cotangents
+  a_t, h0, xs, reset = primals
+  da_t, dh0, dxs, _ = nonzero_tangents(tangents)
+  dh0 = jnp.zeros_like(h0) if dh0 is None else dh0
+  if da_t is not None:
+    # Per batch element, so the gradient accumulates dA elementwise, step by step, and sums
+    # over the batch once at the end.
+    a_t, da_t = (jnp.broadcast_to(x, h0.shape) for x in (a_t, da_t))
 
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(carry, inputs):
+    h, dh = carry
+    x_t, dx_t, r_t = inputs
+    args, targs = (a_t, h, *x_t), (da_t, dh, *dx_t)
+    keep = [i for i, t in enumerate(targs) if t is not None]
+
+    def moving(*values):
+      full = list(args)
+      for i, v in zip(keep, values, strict=True):
+        full[i] = v
+      return _step(*full, r_t)
+
+    (h, y), (dh, dy) = jax.jvp(moving, [args[i] for i in keep], [targs[i] for i in keep])
+    return (h, dh), (y, dy)
+
+  @jax.checkpoint
   def chunk(carry, inputs):
-    start, xs_c, g_c = inputs
+    return lax.scan(step, carry, inputs)
 
-    def replay(h, inputs):
-      x_t, g_t = inputs
-      h_prev, h = _advance(a_t, h, x_t)
-      return h, (h_prev, jnp.sum(h * g_t[:, None, :], axis=-1))
-
-    _, (h_prev, dc) = lax.scan(replay, start, (xs_c, g_c))
-
-    def back(carry, inputs):
-      lam, da = carry
-      (u, dt, b, c, reset), g_t, h_prev_t = inputs
-      lam = lam + c[:, :, None] * g_t[:, None, :]
-      dx = jnp.sum(lam * b[:, :, None], axis=1)
-      db = jnp.sum(lam * (dt * u)[:, None, :], axis=2)
-      lam_prev = jnp.exp(dt[:, None, :] * a_t[None]) * lam
-      q = lam_prev * h_prev_t
-      ddt = jnp.sum(q * a_t[None], axis=1) + dx * u
-      da = da + q * dt[:, None, :]
-      if reset is not None:
-        lam_prev = jnp.where(reset[:, None, None], jnp.zeros_like(lam_prev), lam_prev)
-      return (lam_prev, da), (dx * dt, ddt, db)
-
-    carry, (du, ddt, db) = lax.scan(back, carry, (xs_c, g_c, h_prev), reverse=True)
-    return carry, (du, ddt, db, dc)
-
-  (dh0, da), (du, ddt, db, dc) = lax.scan(chunk, (g_last, jnp.zeros_like(g_last)),
-                                          (starts, xs, g_y), reverse=True)
-  return jnp.sum(da, axis=0), dh0, (du, ddt, db, dc, None)
+  (last, dlast), (y, dy) = lax.scan(chunk, (h0, dh0), (xs, dxs, reset))
+  return (y, last), (dy, dlast)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _materialised(a_t: Array, h0: Array, xs: Chunks) -> tuple[Array, Array]:
+def _materialised(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> tuple[Array, Array]:
   """Per chunk, the `(L, B, N, D)` decays and inputs through `linear_recurrence`'s parallel
   mode, then contracted; the gradient recomputes a chunk's states instead of storing them."""
 
   @jax.checkpoint
-  def chunk(h, xs_c):
-    u, dt, b, c, reset = xs_c
+  def chunk(h, inputs):
+    (u, dt, b, c), reset = inputs
     decay = jnp.exp(dt[:, :, None, :] * a_t[None, None])
     inputs = b[..., None] * (dt * u)[:, :, None, :]
-    flags = None if reset is None else reset[..., None, None]
-    states, last = linear_recurrence(decay, inputs, h, reset=flags, mode="parallel",
+    states, last = linear_recurrence(decay, inputs, h, reset=reset, mode="parallel",
                                      return_final_state=True)
-    return last, _contract(states, c)
+    return last, jnp.sum(states * c[..., None], axis=-2)
 
-  last, y = lax.scan(chunk, h0, xs)
+  last, y = lax.scan(chunk, h0, (xs, reset))
   return y, last
+
+
+def _resolve(mode: Mode, length: int) -> Mode:
+  """`auto`: the fused loop on CPU (the fastest there) and for T <= 64, else chunked.
+
+  Not the rule of `linear_recurrence`: the parallel mode holds the `(..., T, D, N)` states
+  of the whole sequence at once, a chunk's worth of them is enough.
+  """
+  if mode is not Mode.AUTO:
+    return mode
+  return Mode.SEQUENTIAL if jax.default_backend() == "cpu" or length <= 64 else Mode.CHUNKED
 
 
 def _check_real(x: Array, name: str) -> None:
@@ -208,7 +197,7 @@ def selective_scan(
     checks.check_bool(reset, "reset")
     checks.check_shape(reset, u.shape[:-1], "reset", "`u` without its feature axis")
   checks.check_chunk_size(chunk_size)
-  mode = resolve_mode(parse_mode(mode), length)
+  mode = _resolve(parse_mode(mode), length)
   acc = accumulation_dtype(dtype)
   h0 = jnp.zeros((*batch, d, n), acc) if h0 is None else h0.astype(acc)
   if length == 0:
@@ -225,10 +214,10 @@ def selective_scan(
     x = jnp.pad(x, ((0, chunks * steps - length), (0, 0), (0, 0)))
     return x.reshape(chunks, steps, flat, x.shape[-1])
 
-  xs = (*(split(x.astype(acc)) for x in (u, dt, b, c)),
-        None if reset is None else split(reset[..., None])[..., 0])
+  xs = tuple(split(x.astype(acc)) for x in (u, dt, b, c))
+  flags = None if reset is None else split(reset[..., None])[..., 0]
   state = jnp.swapaxes(h0.reshape(flat, d, n), 1, 2)
   run = _fused if mode is Mode.SEQUENTIAL else _materialised
-  y, last = run(jnp.transpose(a).astype(acc), state, xs)
+  y, last = run(jnp.transpose(a).astype(acc), state, xs, flags)
   y = jnp.moveaxis(y.reshape(chunks * steps, flat, d)[:length], 0, 1).reshape(u.shape)
   return y.astype(dtype), jnp.swapaxes(last, 1, 2).reshape(h0.shape).astype(dtype)
