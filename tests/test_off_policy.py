@@ -508,8 +508,8 @@ def test_errors_name_the_argument():
     rl.vtrace(v, v, r, d, rho.astype(int))
   with pytest.raises(TypeError, match="`sample_mask` must be a boolean array"):
     rl.vtrace(v, v, r, d, rho, sample_mask=np.ones((5, 2)))
-  with pytest.raises(ValueError, match="`lambda_` must lie in"):
-    rl.vtrace_td_error_and_advantage(v, v, r, d, rho, 1.5)
+  with pytest.raises(ValueError, match="`lambda_` must be >= 0"):
+    rl.vtrace_td_error_and_advantage(v, v, r, d, rho, -0.5)
   with pytest.raises(ValueError, match="`discount_t` must be a scalar or have the shape of `r_t`"):
     rl.td_lambda(v, r, d[:, :1], v, 0.9)
   with pytest.raises(TypeError, match="`r_t` must have a real floating dtype"):
