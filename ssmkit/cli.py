@@ -1,6 +1,7 @@
 """The `ssmkit` command line.
 
-    ssmkit bench {scan,rl,layers,sequence-parallel} [--shapes small|full] [--repeats N] [--markdown]
+    ssmkit bench {scan,rl,layers,sequence-parallel,linear-attention}
+        [--shapes small|full] [--repeats N] [--markdown]
     ssmkit bench all [--shapes small|full] [--repeats N] [--markdown] [--budget-s S] [--output FILE]
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
@@ -35,6 +36,10 @@ _BENCHMARKS = {
     "rl": ("ssmkit.bench.rl", "ssmkit.rl return estimators against jit(vmap(rlax)); needs rlax"),
     "layers": ("ssmkit.bench.layers", "every SSM layer per mode, and a deep model unrolled or scanned"),
     "sequence-parallel": ("ssmkit.bench.sequence_parallel", "linear_recurrence over time-split devices"),
+    "linear-attention": (
+        "ssmkit.bench.linear_attention",
+        "linear_attention and delta_rule per mode against lax.scan and quadratic attention",
+    ),
 }
 
 

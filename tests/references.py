@@ -194,3 +194,57 @@ def retrace(qa_tm1, qa_t, expected_q_t, c_t, r_t, discount_t, truncated=None, fi
       g = r[t] + d[t] * (expected[t] - c[t] * qa_t[t] + c[t] * g)
       out[t] = g
   return out - np.asarray(qa_tm1, np.float64)
+
+
+def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, reset_t):
+  """One step of `matrix_state` for `(..., H, K)` rows q_t, k_t, `(..., H, V)` v_t."""
+  state = xp.where(reset_t[..., None, None, None], 0.0, state)
+  decay = xp.exp(g_t)[..., None] if g_t.ndim == q_t.ndim else xp.exp(g_t)[..., None, None]
+  state = decay * state
+  if beta_t is None:
+    state = state + k_t[..., :, None] * v_t[..., None, :]
+  else:
+    predicted = xp.einsum("...k,...kv->...v", k_t, state)
+    state = state + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
+  return state, xp.einsum("...k,...kv->...v", q_t, state)
+
+
+def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None):
+  """Linear attention (beta None) or the gated delta rule, one step at a time in float64.
+
+  Per head, with S a (K, V) matrix and row vectors q_t, k_t (K,) and v_t (V,):
+  linear attention S_t = exp(g_t) S_{t-1} + k_t^T v_t; delta rule
+  S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t; o_t = q_t S_t.
+  `log_decay` is None, `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S);
+  `reset` `(..., T)` zeroes S before step t. Returns `(o, S_T)`.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  batch, length, heads, dim_k = q.shape[:-3], q.shape[-3], q.shape[-2], q.shape[-1]
+  state = np.zeros((*batch, heads, dim_k, v.shape[-1]))
+  if initial_state is not None:
+    state = np.array(initial_state, np.float64)
+  g = np.zeros(q.shape[:-1]) if log_decay is None else np.asarray(log_decay, np.float64)
+  reset = np.zeros(q.shape[:-2], bool) if reset is None else np.asarray(reset)
+  out = np.empty(v.shape)
+  for t in range(length):
+    beta_t = None if beta is None else np.asarray(beta, np.float64)[..., t, :]
+    g_t = g[..., t, :, :] if g.ndim == q.ndim else g[..., t, :]
+    state, out[..., t, :, :] = _matrix_state_step(
+        np, state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :], g_t, beta_t, reset[..., t])
+  return out, state
+
+
+def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None):
+  """`matrix_state` as a `jax.lax.scan` in the inputs' dtype, to differentiate with JAX."""
+  import jax
+  import jax.numpy as jnp
+
+  time = lambda x: None if x is None else jnp.moveaxis(jnp.asarray(x), q.ndim - 3, 0)
+  state = initial_state
+  if state is None:
+    state = jnp.zeros((*q.shape[:-3], q.shape[-2], q.shape[-1], v.shape[-1]), q.dtype)
+  g = jnp.zeros(q.shape[:-1], q.dtype) if log_decay is None else log_decay
+  reset = np.zeros(q.shape[:-2], bool) if reset is None else reset
+  xs = (time(q), time(k), time(v), time(g), time(beta), jnp.moveaxis(jnp.asarray(reset), -1, 0))
+  final, out = jax.lax.scan(lambda s, x: _matrix_state_step(jnp, s, *x), state, xs)
+  return jnp.moveaxis(out, 0, q.ndim - 3), final

@@ -1,5 +1,6 @@
 """Every `ssmkit bench` runs end to end with `--shapes small` and prints its whole table."""
 
+import re
 import sys
 import time
 import types
@@ -8,6 +9,7 @@ import jax
 
 from ssmkit import cli
 from ssmkit.bench import _timing
+from ssmkit.bench import linear_attention as la_bench
 
 METHODS = (
     "lax.scan",
@@ -139,3 +141,37 @@ def test_slow_cells_take_fewer_samples():
   # Warm-up, estimate, then 10 samples for the fast one and 0.12 / 0.05 -> 2 (1 on a busy
   # machine, where a sleep overruns) for the slow one.
   assert calls["fast"] == 12 and calls["slow"] in (3, 4)
+
+
+def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys):
+  status = cli.main(["bench", "linear-attention", "--shapes", "small", "--repeats", "2"])
+  out = capsys.readouterr().out
+  assert status == 0
+  for name in ("lax.scan", "quadratic", "ssmkit auto", "ssmkit sequential", "ssmkit chunked",
+               "ssmkit parallel"):
+    assert f" {name} " in out
+  for function in ("linear_attention", "delta_rule"):
+    assert re.search(rf"^{function} +B=2 T=70 H=1 K=V=4 ", out, re.MULTILINE)
+  assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
+
+
+def test_bench_linear_attention_criteria_judge_the_auto_rows():
+  shape, big = la_bench.Shape(2, 4096, 4, 64), la_bench.Shape(1, 16384, 2, 64)
+  suite = la_bench.Suite((shape, big), judged=shape, compile_shape=big)
+
+  def row(function, method, forward, gradient, memory, at=shape, compile_s=1.0):
+    return la_bench.Result(function, at, method, forward, gradient, memory, compile_s)
+
+  results = [
+      row("linear_attention", "lax.scan", 1.0, 100.0, 1000),
+      row("linear_attention", "quadratic", 3.0, 300.0, 3000),
+      row("linear_attention", "ssmkit auto", 1.1, 9.0, 90),
+      row("delta_rule", "lax.scan", 1.0, 100.0, 1000),
+      row("delta_rule", "ssmkit auto", 2.0, 25.0, 50),
+      row("linear_attention", "lax.scan", 1.0, 1.0, 1, at=big, compile_s=2.0),
+      row("linear_attention", "ssmkit auto", 1.0, 1.0, 1, at=big, compile_s=7.0),
+  ]
+  verdicts = [passed for passed, _ in la_bench.criteria(results, suite)]
+  # fwd 1.1x: pass; 11.1x faster: pass; delta 0.25x the time: fail; memory 0.09x and 0.05x:
+  # pass; compile 3.5x: fail.
+  assert verdicts == [True, True, False, True, True, False]

@@ -16,7 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 import references
 from ssmkit import layers, rl
-from ssmkit.scan import associative_scan, linear_recurrence, linear_recurrence_final_state, operators
+from ssmkit.scan import (
+    associative_scan,
+    delta_rule,
+    linear_attention,
+    linear_recurrence,
+    linear_recurrence_final_state,
+    operators,
+)
 
 pytestmark = pytest.mark.usefixtures("host_devices")
 
@@ -398,3 +405,41 @@ def test_n_step_window_longer_than_a_slice_is_refused():
   call = lambda x: rl.n_step_returns(x, 0.9, x, 4, axis_name="seq")
   with pytest.raises(ValueError, match="`n`=4"):
     _sharded(call, SEQ, SEQ)(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_attention and delta_rule
+
+MATRIX_MODES = ["sequential", "chunked", "parallel", "auto"]
+
+
+@pytest.mark.parametrize("mode", MATRIX_MODES)
+@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
+def test_matrix_state_across_devices_equals_one_device(delta, mode):
+  """Initial state on device 0, resets at and inside slice edges, the final state, gradients."""
+  rng = np.random.default_rng(3 + 4 * delta + MATRIX_MODES.index(mode))
+  batch, length, heads, dim_k, dim_v = 2, DEVICES * 9, 2, 3, 2
+  q = rng.normal(size=(batch, length, heads, dim_k))
+  k = rng.normal(size=(batch, length, heads, dim_k))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.normal(size=(batch, length, heads, dim_v))
+  g = -rng.uniform(0.0, 1.0, (batch, length, heads))
+  beta = rng.uniform(0.0, 1.0, (batch, length, heads))
+  state = rng.normal(size=(batch, heads, dim_k, dim_v))
+  reset = _resets(rng, length, batch).T
+
+  def run(q, k, v, g, beta, state, reset, axis_name=None):
+    kwargs = dict(initial_state=state, reset=reset, mode=mode, chunk_size=4,
+                  return_final_state=True, axis_name=axis_name)
+    if delta:
+      return delta_rule(q, k, v, beta, g, **kwargs)
+    return linear_attention(q, k, v, g, **kwargs)
+
+  time = P(None, "seq")
+  sharded = _sharded(functools.partial(run, axis_name="seq"), (time,) * 5 + (P(), time),
+                     (time, P()))
+  argnums = (0, 1, 2, 3, 4, 5)
+  out, grads = _outputs_and_grads(sharded, argnums, q, k, v, g, beta, state, reset)
+  expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, state, reset)
+  _assert_trees_close(out, expected)
+  _assert_trees_close(grads, expected_grads)

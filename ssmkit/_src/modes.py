@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import NamedTuple
 
 import jax
 
@@ -108,3 +109,37 @@ def default_chunk_size(length: int) -> int:
 def default_inner(backend: str | None = None) -> Inner:
   backend = backend or jax.default_backend()
   return Inner.SEQUENTIAL if backend == "cpu" else Inner.PARALLEL
+
+
+_SHORT_MATRIX_STATE = 64
+
+
+class MatrixPlan(NamedTuple):
+  """How `linear_attention` and `delta_rule` evaluate a sequence.
+
+  Attributes:
+    forward: the mode that computes the values.
+    derivatives: the mode whose JVP computes the derivatives (forward and reverse mode).
+  """
+
+  forward: Mode
+  derivatives: Mode
+
+
+def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None) -> MatrixPlan:
+  """The plan for `mode` over `length` steps; `Mode.AUTO` is chosen per backend.
+
+  A single step always runs sequentially (decoding). On CPU, the step-by-step loop streams
+  the state through the cache and computes the values fastest, while its gradient keeps
+  T states; `auto` there computes values step by step and derivatives chunked (one
+  state per chunk). On accelerators, T steps would be T small kernels: `auto` runs every
+  chunk at once with the chunk maps combined as a tree.
+  """
+  if mode is not Mode.AUTO:
+    return MatrixPlan(mode, mode)
+  backend = backend or jax.default_backend()
+  if length == 1 or (backend == "cpu" and length < _SHORT_MATRIX_STATE):
+    return MatrixPlan(Mode.SEQUENTIAL, Mode.SEQUENTIAL)
+  if backend == "cpu":
+    return MatrixPlan(Mode.SEQUENTIAL, Mode.CHUNKED)
+  return MatrixPlan(Mode.PARALLEL, Mode.PARALLEL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,6 +30,23 @@ class ParameterGroups(NamedTuple):
 
   recurrence: frozenset[str] = frozenset()
   no_decay: frozenset[str] = frozenset()
+
+
+class ParamSpec(NamedTuple):
+  """One parameter of a layer, as both front ends (linen and NNX) create it.
+
+  Attributes:
+    shape: the parameter's shape.
+    init: `init(key, shape, dtype) -> Array`, a `jax.nn.initializers` initializer.
+  """
+
+  shape: tuple[int, ...]
+  init: Callable[..., Array]
+
+
+def linen_params(module: nn.Module, specs: dict[str, ParamSpec], dtype: Any) -> dict[str, Array]:
+  """Declares `specs` as parameters of the linen `module` (inside a compact method), by name."""
+  return {name: module.param(name, spec.init, spec.shape, dtype) for name, spec in specs.items()}
 
 
 def constant(value: np.ndarray) -> nn.initializers.Initializer:

@@ -1,0 +1,207 @@
+"""What `linear_attention` and `delta_rule` share: input hygiene at resets and mode dispatch."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src.engine import vary_alike
+from ssmkit._src.matrix_state import chunks, state_pass
+from ssmkit._src.matrix_state.inputs import Inputs
+from ssmkit._src.modes import Mode, resolve_matrix_mode
+
+Array = jax.Array
+DEFAULT_CHUNK_SIZE = 64
+
+Sequential = Callable[[Inputs, int, object], tuple[Array, Array]]
+# chunk_maps(chunks, precision) -> (chunk-first maps, outputs from the entering states)
+ChunkMaps = Callable[[chunks.Chunks, object],
+                     tuple[state_pass.Maps, Callable[[Array], Array]]]
+
+
+def sanitize(arrays: Sequence[Array | None]) -> tuple[list[Array | None], Array]:
+  """Zeroes the non-finite entries of `(Z, H, n, C, ...)` inputs and flags their steps.
+
+  A matrix product mixes every step of a chunk, so a NaN written before a reset would
+  reach the steps after it as 0 * NaN. The chunked algorithms run on the zeroed inputs and
+  set the outputs of every step a flagged step reaches to NaN instead (`chunks.poisoned`),
+  as the step-by-step recurrence would.
+
+  Returns:
+    The cleaned arrays and `(Z, H, n, C)` flags of steps with a non-finite input.
+  """
+  bad = None
+  cleaned = []
+  for x in arrays:
+    if x is None:
+      cleaned.append(None)
+      continue
+    finite = jnp.isfinite(x)
+    step_ok = finite if x.ndim == 4 else jnp.all(finite, axis=tuple(range(4, x.ndim)))
+    bad = ~step_ok if bad is None else bad | ~step_ok
+    cleaned.append(jnp.where(finite, x, 0))
+  return cleaned, bad
+
+
+def read_out(
+    a: Array,
+    u: Array,
+    query: Array,
+    intra: Array,
+    seg: chunks.Segments,
+    bad: Array | None,
+    reset: Array | None,
+    precision,
+) -> tuple[state_pass.Maps, Callable[[Array], Array]]:
+  """The chunks' maps and outputs, from what each recurrence computes inside its chunks.
+
+  Args:
+    a: `(Z, H, n, ., .)` each chunk's transition of the state (row decays or matrices).
+    u: `(n, Z, H, K, V)` the state each chunk leaves from a zero entering state.
+    query: `(Z, H, n, C, K)` what reads the entering state into each step's output.
+    intra: `(Z, H, n, C, V)` each step's output from its own chunk.
+    seg: the chunks' segments.
+    bad: `(Z, H, n, C)` steps with a non-finite input (`sanitize`), or None.
+    reset: `(Z, 1, n, C)` or None.
+    precision: matmul precision.
+
+  Returns:
+    The chunk-first maps, and a function from the `(n, Z, H, K, V)` states entering the
+    chunks to the `(Z, H, n, C, V)` outputs.
+  """
+  poisoned = None if bad is None else chunks.poisoned(bad, reset)
+  if poisoned is not None:
+    u = jnp.where(jnp.moveaxis(poisoned[..., -1], 2, 0)[..., None, None], jnp.nan, u)
+  maps = state_pass.Maps(
+      jnp.moveaxis(a, 2, 0), u, None if seg.cut is None else jnp.moveaxis(seg.cut, 2, 0)
+  )
+
+  def outputs(entering: Array) -> Array:
+    carried = jnp.einsum("zhncd,nzhde->zhnce", query, entering, precision=precision)
+    out = intra + chunks.masked(carried, seg.first)
+    return out if poisoned is None else jnp.where(poisoned[..., None], jnp.nan, out)
+
+  return maps, outputs
+
+
+_GROUP = 4  # chunks per iteration of the chunked loop: fewer, larger operations on CPU
+
+
+def _group_size(count: int) -> int:
+  return max(g for g in range(1, _GROUP + 1) if count % g == 0)
+
+
+def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
+  """Groups of chunks one after another, each rematerialised in the backward pass."""
+
+  def body(s, group):
+    maps, outputs = chunk_maps(group, precision)
+    entering = []
+    for i in range(maps.u.shape[0]):
+      entering.append(s)
+      s = state_pass.apply(state_pass.Maps(*(None if a is None else a[i] for a in maps)), s,
+                           matrix=matrix, precision=precision)
+    return s, outputs(jnp.stack(entering))
+
+  count = -(-x.q.shape[1] // size)
+  groups = chunks.split(x, size, _group_size(count))
+  final, out = lax.scan(jax.checkpoint(body), x.state, groups)
+  return chunks.merge(out, x.q.shape[1], grouped=True), final
+
+
+def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
+  """Every chunk at once, the chunk maps combined as a tree."""
+  maps, outputs = chunk_maps(chunks.split(x, size), precision)
+  entering, final = state_pass.run(maps, x.state, matrix=matrix, precision=precision)
+  return chunks.merge(outputs(entering), x.q.shape[1]), final
+
+
+def _device_map(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, tree: bool,
+                precision) -> state_pass.Maps:
+  """The map this device's slice applies to the state entering it."""
+  if tree:
+    return state_pass.fold(chunk_maps(chunks.split(x, size), precision)[0], matrix=matrix,
+                           precision=precision)
+
+  @jax.checkpoint
+  def map_of(group):
+    return state_pass.fold(chunk_maps(group, precision)[0], matrix=matrix, precision=precision)
+
+  def body(m, group):
+    return state_pass.compose(m, map_of(group), matrix=matrix, precision=precision), None
+
+  count = -(-x.q.shape[1] // size)
+  groups = chunks.split(x, size, _group_size(count))
+  first = map_of(chunks.Chunks(*(None if a is None else a[0] for a in groups)))
+  rest = chunks.Chunks(*(None if a is None else a[1:] for a in groups))
+  return lax.scan(body, first, rest)[0]
+
+
+def evaluate(
+    x: Inputs,
+    sequential: Sequential,
+    chunk_maps: ChunkMaps,
+    *,
+    matrix: bool,
+    mode: Mode,
+    chunk_size: int | None,
+    axis_name: Hashable | None,
+    precision,
+) -> tuple[Array, Array]:
+  """Runs the recurrence in `mode`; returns `(Z, T, H, V)` outputs and the final state."""
+  length = x.q.shape[1]
+  if length == 0:
+    return x.v, x.state
+  plan = resolve_matrix_mode(mode, length)
+  size = min(chunk_size or DEFAULT_CHUNK_SIZE, length)
+  final = None
+  if axis_name is not None:
+    arrays = vary_alike(tuple(x[:6]))
+    x = x._replace(**dict(zip(Inputs._fields[:6], arrays, strict=True)))
+    device = _device_map(x, chunk_maps, size, matrix, plan.forward is Mode.PARALLEL, precision)
+    entering, final = state_pass.across_devices(device, x.state, matrix=matrix,
+                                                axis_name=axis_name, precision=precision)
+    x = x._replace(state=entering)
+
+  def run(x: Inputs, mode: Mode) -> tuple[Array, Array]:
+    match mode:
+      case Mode.SEQUENTIAL:
+        return sequential(x, size, precision)
+      case Mode.CHUNKED:
+        return _loop(x, chunk_maps, size, matrix, precision)
+      case _:
+        return _tree(x, chunk_maps, size, matrix, precision)
+
+  if plan.forward is plan.derivatives:
+    out, last = run(x, plan.forward)
+  else:
+    out, last = _differentiated_by(functools.partial(run, mode=plan.forward),
+                                   functools.partial(run, mode=plan.derivatives), x)
+  return out, last if final is None else final
+
+
+def _differentiated_by(values: Callable[[Inputs], Any], derivatives: Callable[[Inputs], Any],
+                       x: Inputs):
+  """`values(x)`, differentiated (forward and reverse mode) as `derivatives(x)`.
+
+  Both compute the same function; `values` is the faster way to evaluate it and
+  `derivatives` the one whose derivatives are cheaper (e.g. a loop that streams the state
+  against the chunked form that keeps one state per chunk).
+  """
+  fields = ("q", "k", "v", "log_decay", "beta", "state", "reset")
+  rebuild = lambda arrays: x._replace(**dict(zip(fields, arrays, strict=True)))
+
+  @jax.custom_jvp
+  def evaluate_values(arrays):
+    return values(rebuild(arrays))
+
+  @evaluate_values.defjvp
+  def _(primals, tangents):
+    return jax.jvp(lambda arrays: derivatives(rebuild(arrays)), primals, tangents)
+
+  return evaluate_values(tuple(getattr(x, f) for f in fields))

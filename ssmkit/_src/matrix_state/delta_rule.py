@@ -1,0 +1,168 @@
+"""The (gated) delta rule: S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src import checks
+from ssmkit._src.engine import axis_position
+from ssmkit._src.matrix_state import chunks, common, steps, triangular
+from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
+from ssmkit._src.modes import Mode, parse_mode
+
+Array = jax.Array
+
+
+def _step(precision):
+  def step(s, x):
+    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (Z, H, K|V) vectors, (Z, H) scalars, (Z,)
+    if reset_t is not None:
+      s = jnp.where(reset_t[:, None, None, None], 0, s)
+    if g_t is not None:
+      s = s * jnp.exp(g_t)[..., None, None]
+    predicted = jnp.einsum("zhk,zhkv->zhv", k_t, s, precision=precision)
+    s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
+    return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
+
+  return step
+
+
+def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
+  xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
+             for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
+  out, final = steps.run(_step(precision), xs, x.state, size)
+  return jnp.moveaxis(out, 0, 1), final
+
+
+def _chunk_maps(c: chunks.Chunks, precision):
+  """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
+
+  Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - exp(g_t) k_t
+  S_{t-1}) solve the unit lower-triangular system (I + L) u = beta v - beta exp(b) K S_0
+  with L_ts = beta_t exp(b_t - b_s) k_t . k_s for s < t (the UT transform of the WY
+  representation). Solving once for both right-hand sides gives u = U - W S_0 for any
+  entering state S_0; the chunk is then linear attention with values u.
+  """
+  q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
+  seg = chunks.segments(reset, q.shape[3])
+  bad = None
+  if reset is not None:
+    (k, v, beta, g), bad = common.sanitize((k, v, beta, g))
+  kk = jnp.einsum("zhncd,zhnsd->zhncs", k, k, precision=precision)
+  qk = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
+  if g is None:
+    interact = jnp.where(seg.strict, kk, 0)
+    weights = jnp.where(seg.causal, qk, 0)
+    k_in, q_in, k_out = k, q, k
+    a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
+  else:
+    b = chunks.cumulative(g)
+    total = b[:, :, :, -1]
+    interact = kk * chunks.pairwise_decay(b, seg.strict)
+    weights = qk * chunks.pairwise_decay(b, seg.causal)
+    k_in = k * jnp.exp(b)[..., None]
+    q_in = q * jnp.exp(b)[..., None]
+    k_out = k * jnp.exp(total[..., None] - b)[..., None]
+    a = jnp.exp(total)[..., None, None]
+  rows = beta[..., None]
+  rhs = jnp.concatenate([v, chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)
+  solved = triangular.unit_lower_solve(rows * interact, rows * rhs, precision)
+  dim_v = v.shape[-1]
+  u_zero, w = solved[..., :dim_v], solved[..., dim_v:]
+  k_out = chunks.masked(k_out, seg.last)
+  eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None, None]
+  m = a * eye - jnp.einsum("zhnsd,zhnse->zhnde", k_out, w, precision=precision)
+  u = jnp.einsum("zhnsd,zhnse->nzhde", k_out, u_zero, precision=precision)
+  # o = weights (U - W S_0) + exp(b) q S_0 = weights U + (exp(b) q - weights W) S_0: the
+  # entering state is read once, through a query per step.
+  intra = jnp.einsum("zhncs,zhnse->zhnce", weights, u_zero, precision=precision)
+  query = q_in - jnp.einsum("zhncs,zhnsd->zhncd", weights, w, precision=precision)
+  return common.read_out(m, u, query, intra, seg, bad, reset, precision)
+
+
+def delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    log_decay=None,
+    *,
+    initial_state=None,
+    reset=None,
+    mode: str | Mode = "auto",
+    chunk_size: int | None = None,
+    return_final_state: bool = False,
+    axis_name: Hashable | None = None,
+    precision: lax.PrecisionLike = None,
+):
+  """The delta rule and the gated delta rule (DeltaNet, Gated DeltaNet), per head.
+
+  With a `(K, V)` state S, row vectors q_t, k_t `(K,)`, v_t `(V,)` and a write strength
+  beta_t:
+
+    S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
+
+  i.e. the state decays, then moves its prediction k_t S for key k_t a fraction beta_t of
+  the way to v_t. `log_decay` g_t is one number per head (Gated DeltaNet) or absent
+  (DeltaNet). No normalisation of the keys or scaling of `q` is implied (the layers
+  normalise keys to unit length, which keeps the transition a contraction for beta in
+  [0, 2]). `reset[..., t]` clears the state before step t, also inside a chunk.
+
+  The chunked mode solves, per chunk of C steps, the unit lower-triangular system of the
+  UT transform (Yang et al. 2024) for the chunk's writes given any entering state, so a
+  chunk becomes matrix products plus a `(K, K)` transition carried to the next chunk.
+  Gradients are JAX's own (forward and reverse mode); they keep one state per chunk and
+  recompute the rest. bfloat16/float16 inputs accumulate in float32.
+
+  Args:
+    q: `(..., T, H, K)` queries, real floating.
+    k: `(..., T, H, K)` keys.
+    v: `(..., T, H, V)` values.
+    beta: `(..., T, H)` write strengths (usually in (0, 1)).
+    log_decay: None or `(..., T, H)`: log of the decay, <= 0 and finite.
+    initial_state: `(..., H, K, V)` state before the first step; default zeros.
+    reset: `(..., T)` booleans; True clears the state before that step.
+    mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
+      `(K, K)` products) or "auto"; see `linear_attention`.
+    chunk_size: steps per chunk; default 64, at most T.
+    return_final_state: also return S_T.
+    axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
+      as S -> M S + U with M the `(K, K)` product of its transitions.
+    precision: precision of the matrix products (`jax.lax.Precision`).
+
+  Returns:
+    `o` `(..., T, H, V)`; with `return_final_state`, `(o, S_T)`.
+
+  Raises:
+    TypeError: for integer or complex inputs, or a non-boolean `reset`.
+    ValueError: for shapes that do not fit `q` (a per-key `log_decay` included), a
+      positive or non-finite `log_decay` known at trace time, an unknown `mode`, a
+      non-positive `chunk_size`, or an `axis_name` outside `shard_map`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.scan import delta_rule
+    >>> k = jnp.ones((2, 1, 1))  # T=2, one head, K=1
+    >>> v = jnp.array([[[4.0]], [[8.0]]])
+    >>> delta_rule(k, k, v, jnp.full((2, 1), 0.5))[:, 0, 0]  # halfway to v, twice
+    Array([2., 5.], dtype=float32)
+
+  References:
+    Schlag et al., "Linear transformers are secretly fast weight programmers", ICML 2021;
+    Yang et al., "Parallelizing linear transformers with the delta rule over sequence
+    length", NeurIPS 2024; Yang, Kautz & Hatamizadeh, "Gated delta networks", ICLR 2025.
+  """
+  mode = parse_mode(mode)
+  checks.check_chunk_size(chunk_size)
+  if axis_name is not None:
+    axis_position(axis_name)
+  x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
+              reset=reset, per_key_decay=False)
+  out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
+                               chunk_size=chunk_size, axis_name=axis_name,
+                               precision=precision)
+  return finish(x, out, final, return_final_state)

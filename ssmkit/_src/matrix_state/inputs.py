@@ -1,0 +1,152 @@
+"""Argument checks and the internal layout shared by `linear_attention` and `delta_rule`.
+
+Public shapes put time on axis -3 behind any batch axes: `q, k` `(..., T, H, K)`, `v`
+`(..., T, H, V)`, the state `(..., H, K, V)`. Internally the batch axes are flattened into
+one leading axis Z and everything is cast to the accumulation dtype (float32 for 16-bit
+inputs): the algorithms see `(Z, T, H, K)` and move time once, to where they need it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit._src import checks
+from ssmkit._src.linear_recurrence import accumulation_dtype
+
+Array = jax.Array
+
+
+class Inputs(NamedTuple):
+  """Checked arguments in the internal layout.
+
+  Attributes:
+    q, k: `(Z, T, H, K)` queries and keys.
+    v: `(Z, T, H, V)` values.
+    log_decay: None, `(Z, T, H)` (one decay per head) or `(Z, T, H, K)` (one per key).
+    beta: None (linear attention) or `(Z, T, H)` write strengths (delta rule).
+    state: `(Z, H, K, V)` state before the first step.
+    reset: None or `(Z, T)` booleans; True clears the state before that step.
+    batch: the flattened batch shape.
+    dtype: the dtype of the outputs (the inputs' promoted dtype).
+  """
+
+  q: Array
+  k: Array
+  v: Array
+  log_decay: Array | None
+  beta: Array | None
+  state: Array
+  reset: Array | None
+  batch: tuple[int, ...]
+  dtype: jnp.dtype
+
+
+def _real_array(x, name: str) -> Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
+  return x
+
+
+def _check_log_decay_values(log_decay: Array) -> None:
+  """Refuses positive or non-finite decays where the values are known at trace time."""
+  if isinstance(log_decay, jax.core.Tracer):
+    return
+  value = np.asarray(log_decay)
+  if value.size and not (np.all(np.isfinite(value)) and value.max() <= 0):
+    raise ValueError(
+        "`log_decay` must be finite and <= 0 (a decay exp(g) in (0, 1]; use `reset` to clear "
+        f"the state), got values in [{value.min()}, {value.max()}]."
+    )
+
+
+def prepare(
+    q,
+    k,
+    v,
+    *,
+    log_decay,
+    beta,
+    initial_state,
+    reset,
+    per_key_decay: bool,
+) -> Inputs:
+  """Checks shapes and dtypes, flattens the batch axes and casts to the accumulation dtype.
+
+  Args:
+    q, k, v, log_decay, beta, initial_state, reset: the public arguments (`beta` None for
+      linear attention).
+    per_key_decay: whether `(..., T, H, K)` decays are accepted besides `(..., T, H)`.
+
+  Raises:
+    TypeError: for integer or complex inputs, or non-boolean `reset`.
+    ValueError: for shapes that do not fit `q`, or a decay known to be positive.
+  """
+  q, k, v = (_real_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  if q.ndim < 3:
+    raise ValueError(f"`q` must be `(..., T, H, K)`, got shape {q.shape}.")
+  if k.shape != q.shape:
+    raise ValueError(f"`k` must have the shape of `q` {q.shape} (..., T, H, K), got {k.shape}.")
+  if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1]:
+    raise ValueError(
+        f"`v` must be `(..., T, H, V)` with the leading shape {q.shape[:-1]} of `q`, got "
+        f"{v.shape}."
+    )
+  *batch, length, heads, dim_k = q.shape
+  batch = tuple(batch)
+  step_shape = q.shape[:-1]
+  dtypes = [q.dtype, k.dtype, v.dtype]
+  if log_decay is not None:
+    log_decay = _real_array(log_decay, "log_decay")
+    shapes = [step_shape, q.shape] if per_key_decay else [step_shape]
+    if log_decay.shape not in shapes:
+      accepted = " or ".join(str(s) for s in shapes)
+      what = "(..., T, H) or (..., T, H, K)" if per_key_decay else "(..., T, H)"
+      raise ValueError(f"`log_decay` must be {what}: {accepted}, got {log_decay.shape}.")
+    _check_log_decay_values(log_decay)
+    dtypes.append(log_decay.dtype)
+  if beta is not None:
+    beta = _real_array(beta, "beta")
+    checks.check_shape(beta, step_shape, "beta", "(..., T, H)")
+    dtypes.append(beta.dtype)
+  state_shape = (*batch, heads, dim_k, v.shape[-1])
+  if initial_state is not None:
+    initial_state = _real_array(initial_state, "initial_state")
+    checks.check_shape(initial_state, state_shape, "initial_state", "(..., H, K, V)")
+    dtypes.append(initial_state.dtype)
+  if reset is not None:
+    reset = jnp.asarray(reset)
+    checks.check_bool(reset, "reset")
+    checks.check_shape(reset, q.shape[:-2], "reset", "(..., T): the leading shape of `q`")
+  dtype = jnp.result_type(*dtypes)
+  acc = accumulation_dtype(dtype)
+  z = math.prod(batch)
+
+  def flat(x):
+    return None if x is None else x.reshape((z, *x.shape[len(batch):])).astype(acc)
+
+  state = jnp.zeros(state_shape, acc) if initial_state is None else initial_state.astype(acc)
+  return Inputs(
+      q=flat(q),
+      k=flat(k),
+      v=flat(v),
+      log_decay=flat(log_decay),
+      beta=flat(beta),
+      state=state.reshape((z, *state_shape[-3:])),
+      reset=None if reset is None else reset.reshape((z, length)),
+      batch=batch,
+      dtype=dtype,
+  )
+
+
+def finish(inputs: Inputs, out: Array, state: Array, return_final_state: bool):
+  """`(Z, T, H, V)` outputs and the state in the public layout and the output dtype."""
+  out = out.reshape(inputs.batch + out.shape[1:]).astype(inputs.dtype)
+  if not return_final_state:
+    return out
+  return out, state.reshape(inputs.batch + state.shape[1:]).astype(inputs.dtype)

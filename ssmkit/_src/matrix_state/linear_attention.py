@@ -1,0 +1,189 @@
+"""Linear attention with decay: S_t = exp(g_t) S_{t-1} + k_t^T v_t, o_t = q_t S_t, per head."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src import checks
+from ssmkit._src.engine import axis_position
+from ssmkit._src.matrix_state import chunks, common, steps
+from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
+from ssmkit._src.modes import Mode, parse_mode
+
+Array = jax.Array
+
+
+def _step(precision):
+  def step(s, x):
+    q_t, k_t, v_t, g_t, reset_t = x  # (Z, H, K), (Z, H, K), (Z, H, V), (Z, H[, K]), (Z,)
+    if reset_t is not None:
+      s = jnp.where(reset_t[:, None, None, None], 0, s)
+    if g_t is not None:
+      decay = jnp.exp(g_t)
+      s = s * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
+    s = s + k_t[..., :, None] * v_t[..., None, :]
+    return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
+
+  return step
+
+
+def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
+  xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
+             for a in (x.q, x.k, x.v, x.log_decay, x.reset))
+  out, final = steps.run(_step(precision), xs, x.state, size)
+  return jnp.moveaxis(out, 0, 1), final
+
+
+def _per_key_scores(q: Array, k: Array, b: Array, precision) -> Array:
+  """sum_d q_td k_sd exp(b_td - b_sd) for s <= t inside each chunk: `(Z, H, n, C, C)`.
+
+  With one decay per key channel the decay does not factor out of the product, and
+  scaling q by exp(b) and k by exp(-b) would overflow. The chunk is split into blocks of
+  at most 16 steps. Between blocks (s in block j before block i) the decay factors at the
+  end r_j of block j into exp(b_t - r_j) exp(r_j - b_s), both <= 1; inside a block the
+  decays are formed step pair by step pair.
+  """
+  size = q.shape[3]
+  sub = max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
+  m = size // sub
+  shape = (*q.shape[:3], m, sub, q.shape[-1])
+  q, k, b = (x.reshape(shape) for x in (q, k, b))  # (Z, H, n, m, c, K)
+  r = b[:, :, :, :, -1]  # (Z, H, n, m, K)
+  later = (jnp.arange(m)[:, None] > jnp.arange(m)[None, :])[:, :, None, None]
+  diff = b[:, :, :, :, None] - r[:, :, :, None, :, None]  # (Z, H, n, i, j, c, K)
+  q_scaled = q[:, :, :, :, None] * jnp.exp(jnp.where(later[None, None, None], diff, -jnp.inf))
+  k_scaled = k * jnp.exp(r[:, :, :, :, None] - b)
+  between = jnp.einsum("zhnijtd,zhnjsd->zhnitjs", q_scaled, k_scaled, precision=precision)
+  lower = jnp.tril(jnp.ones((1, 1, 1, 1, sub, sub, 1), bool))
+  inside = b[:, :, :, :, :, None] - b[:, :, :, :, None, :]  # (Z, H, n, m, t, s, K)
+  inside = jnp.exp(jnp.where(lower, inside, -jnp.inf))
+  within = jnp.einsum("zhnmtd,zhnmsd,zhnmtsd->zhnmts", q, k, inside, precision=precision)
+  scores = between + jnp.einsum("zhnits,ij->zhnitjs", within, jnp.eye(m, dtype=within.dtype))
+  return scores.reshape((*scores.shape[:3], size, size))
+
+
+def _chunk_maps(c: chunks.Chunks, precision):
+  """The chunks' maps S -> a S + u and a function from entering states to outputs."""
+  q, k, v, g, reset = c.q, c.k, c.v, c.log_decay, c.reset
+  seg = chunks.segments(reset, q.shape[3])
+  bad = None
+  if reset is not None:
+    (k, v, g), bad = common.sanitize((k, v, g))
+  scores = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
+  if g is None:
+    weights = jnp.where(seg.causal, scores, 0)
+    q_in, k_out = q, k
+    a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
+  else:
+    b = chunks.cumulative(g)
+    total = b[:, :, :, -1]
+    if g.ndim == 4:
+      weights = scores * chunks.pairwise_decay(b, seg.causal)
+      q_in = q * jnp.exp(b)[..., None]
+      k_out = k * jnp.exp(total[..., None] - b)[..., None]
+      a = jnp.exp(total)[..., None, None]
+    else:
+      weights = jnp.where(seg.causal, _per_key_scores(q, k, b, precision), 0)
+      q_in = q * jnp.exp(b)
+      k_out = k * jnp.exp(total[:, :, :, None] - b)
+      a = jnp.exp(total)[..., None]
+  intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
+  u = jnp.einsum("zhnsd,zhnse->nzhde", chunks.masked(k_out, seg.last), v, precision=precision)
+  return common.read_out(a, u, q_in, intra, seg, bad, reset, precision)
+
+
+def linear_attention(
+    q,
+    k,
+    v,
+    log_decay=None,
+    *,
+    initial_state=None,
+    reset=None,
+    mode: str | Mode = "auto",
+    chunk_size: int | None = None,
+    return_final_state: bool = False,
+    axis_name: Hashable | None = None,
+    precision: lax.PrecisionLike = None,
+):
+  """Linear attention with a decaying matrix state, the recurrence of SSD, RetNet and GLA.
+
+  Per head, with a `(K, V)` state S, row vectors q_t, k_t `(K,)` and v_t `(V,)`:
+
+    S_t = exp(g_t) * S_{t-1} + k_t^T v_t,    o_t = q_t S_t,
+
+  where g_t = `log_decay` is one number per head (Mamba-2's SSD, RetNet), one per key
+  channel, scaling the rows of S (GLA), or absent (plain linear attention). No scaling of
+  `q` is implied. `reset[..., t]` clears the state before step t, also in the middle of a
+  chunk, so packed sequences of different lengths never see each other; inputs are
+  selected, never multiplied by zero, so a NaN or Inf before a reset stays before it.
+
+  The chunked mode computes each chunk of C steps as a masked, decayed attention-like
+  product (C x C) plus the contribution of the state entering the chunk, and carries only
+  the (K, V) state from chunk to chunk. Decays inside a chunk are differences of
+  cumulative log-decays, never ratios of products. Gradients are JAX's own (forward and
+  reverse mode, any order); they keep one state per chunk and recompute the rest, so
+  memory does not hold T states. bfloat16/float16 inputs accumulate in float32.
+
+  Args:
+    q: `(..., T, H, K)` queries, real floating.
+    k: `(..., T, H, K)` keys.
+    v: `(..., T, H, V)` values.
+    log_decay: None, `(..., T, H)` or `(..., T, H, K)`: log of the decay, <= 0 and finite
+      (checked where the values are known at trace time).
+    initial_state: `(..., H, K, V)` state before the first step; default zeros.
+    reset: `(..., T)` booleans; True clears the state before that step.
+    mode: "sequential" (one step at a time: the decoding path), "chunked" (the chunkwise
+      algorithm, chunks carried one after another), "parallel" (the chunkwise algorithm
+      with the chunks combined as a tree, depth log(T / C)) or "auto" (sequential for
+      short sequences, chunked otherwise).
+    chunk_size: steps per chunk (and per rematerialised group of the sequential mode);
+      default 64, at most T.
+    return_final_state: also return S_T, to continue over the next piece of a sequence.
+    axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis split over
+      the mesh axis of this name (consecutive slices of equal length in mesh order),
+      return this device's slice of the outputs over the whole sequence. Each device sums
+      its slice up as one map S -> A S + U (A the decay product), the maps are
+      all-gathered and composed, and each device runs its slice from the state entering
+      it. `initial_state` is read on the device with the first slice; the final state is
+      the whole sequence's, the same on every device.
+    precision: precision of the matrix products (`jax.lax.Precision`); default JAX's
+      (TF32 for float32 on recent NVIDIA GPUs: pass "highest" for full float32).
+
+  Returns:
+    `o` `(..., T, H, V)` in the inputs' promoted dtype; with `return_final_state`, the
+    tuple `(o, S_T)` with `S_T` `(..., H, K, V)`.
+
+  Raises:
+    TypeError: for integer or complex inputs, or a non-boolean `reset`.
+    ValueError: for shapes that do not fit `q`, a positive or non-finite `log_decay`
+      known at trace time, an unknown `mode`, a non-positive `chunk_size`, or an
+      `axis_name` that is not a mesh axis of an enclosing `shard_map`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.scan import linear_attention
+    >>> q = k = jnp.ones((3, 1, 2))  # T=3, one head, K=2
+    >>> v = jnp.ones((3, 1, 1))
+    >>> linear_attention(q, k, v, jnp.log(jnp.full((3, 1), 0.5)))[:, 0, 0]
+    Array([2. , 3. , 3.5], dtype=float32)
+
+  References:
+    Katharopoulos et al., "Transformers are RNNs", ICML 2020; Sun et al., "Retentive
+    network", 2023; Yang et al., "Gated linear attention transformers with
+    hardware-efficient training", ICML 2024; Dao & Gu, "Transformers are SSMs", ICML 2024.
+  """
+  mode = parse_mode(mode)
+  checks.check_chunk_size(chunk_size)
+  if axis_name is not None:
+    axis_position(axis_name)
+  x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
+              reset=reset, per_key_decay=True)
+  out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=False, mode=mode,
+                               chunk_size=chunk_size, axis_name=axis_name,
+                               precision=precision)
+  return finish(x, out, final, return_final_state)

@@ -1,0 +1,124 @@
+"""The maps that carry the (K, V) state across chunks, and how they are combined.
+
+A chunk is summarised by the affine map it applies to the state entering it,
+S -> A S + U, where a reset inside the chunk cuts S off (S -> U). A is a decay that
+scales the rows of S (`(..., 1, 1)` one per head, `(..., K, 1)` one per key: linear
+attention) or a `(K, K)` matrix (the delta rule). Maps compose associatively, so they can
+be run one after another, as a tree (`lax.associative_scan`), or across the devices of a
+mesh axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src.engine import axis_position
+
+Array = jax.Array
+
+
+class Maps(NamedTuple):
+  """Maps S -> A S + U, with any leading axes (one map per chunk or device).
+
+  Attributes:
+    a: `(..., Z, H, K, 1)`/`(..., Z, H, 1, 1)` row decays, or `(..., Z, H, K, K)` matrices.
+    u: `(..., Z, H, K, V)` the state the map gives for a zero entering state.
+    cut: `(..., Z, 1)` True where the map ignores the entering state, or None.
+  """
+
+  a: Array
+  u: Array
+  cut: Array | None
+
+
+def _times(a: Array, s: Array, matrix: bool, precision) -> Array:
+  if matrix:
+    return jnp.einsum("...ij,...jv->...iv", a, s, precision=precision)
+  return a * s
+
+
+def _flags(cut: Array, like: Array) -> Array:
+  return cut.reshape(cut.shape + (1,) * (like.ndim - cut.ndim))
+
+
+def apply(m: Maps, s: Array, *, matrix: bool, precision=None) -> Array:
+  """A S + U, or U where cut: a selection, so a NaN in `s` stays out of a cut map."""
+  new = _times(m.a, s, matrix, precision) + m.u
+  return new if m.cut is None else jnp.where(_flags(m.cut, new), m.u, new)
+
+
+def compose(first: Maps, second: Maps, *, matrix: bool, precision=None) -> Maps:
+  """The map of `first` then `second`."""
+  a = _times(second.a, first.a, matrix, precision)
+  u = _times(second.a, first.u, matrix, precision) + second.u
+  if second.cut is None:
+    return Maps(a, u, None)
+  return Maps(
+      jnp.where(_flags(second.cut, a), second.a, a),
+      jnp.where(_flags(second.cut, u), second.u, u),
+      first.cut | second.cut,
+  )
+
+
+def _prefixes(maps: Maps, matrix: bool, precision) -> Maps:
+  """Every prefix composition of chunk-first `maps`, as a tree of depth log n."""
+  combine = lambda x, y: tuple(compose(Maps(*x), Maps(*y), matrix=matrix, precision=precision))
+  return Maps(*lax.associative_scan(combine, tuple(maps)))
+
+
+def run(maps: Maps, state: Array, *, matrix: bool, precision=None) -> tuple[Array, Array]:
+  """The states entering each of n chunks and the state after the last, as a tree.
+
+  Args:
+    maps: the chunks' maps, chunk axis first.
+    state: `(Z, H, K, V)` state entering the first chunk.
+    matrix: whether `maps.a` are `(K, K)` matrices (else row decays).
+    precision: matmul precision of the matrix maps.
+
+  Returns:
+    `(entering, final)`: `(n, Z, H, K, V)` states entering each chunk, and `(Z, H, K, V)`.
+  """
+  leaving = apply(_prefixes(maps, matrix, precision), state[None], matrix=matrix,
+                  precision=precision)
+  return jnp.concatenate([state[None], leaving[:-1]]), leaving[-1]
+
+
+def fold(maps: Maps, *, matrix: bool, precision=None) -> Maps:
+  """The map of all the chunk-first `maps` one after another."""
+  return Maps(*(None if x is None else x[-1] for x in _prefixes(maps, matrix, precision)))
+
+
+def across_devices(
+    device: Maps, state: Array, *, matrix: bool, axis_name: Hashable, precision=None
+) -> tuple[Array, Array]:
+  """The state entering this device's slice, and the state after the whole sequence.
+
+  `device` is the map of this device's slice of time along the mesh axis `axis_name`.
+  The device holding the first slice applies it to `state` (so the initial state enters
+  once), the maps are all-gathered (a state or two per device) and composed in device
+  order. Autodiff runs through the collectives.
+
+  Returns:
+    `(entering, final)`: `(Z, H, K, V)` each; `final` is the same on every device.
+  """
+  index, _ = axis_position(axis_name)
+  entry = index == 0
+  device = device._replace(
+      u=jnp.where(entry, apply(device, state, matrix=matrix, precision=precision), device.u)
+  )
+  gathered = lax.all_gather(device, axis_name)
+
+  def body(s, m):
+    return apply(m, s, matrix=matrix, precision=precision), s
+
+  final, incoming = lax.scan(body, jnp.zeros_like(gathered.u[0]), gathered)
+  entering = jnp.where(entry, state, incoming[index])
+  # Every device composed the same final state; summing device 0's alone makes it a value
+  # replicated over the mesh axis whose cotangent is counted once.
+  final = lax.psum(jnp.where(entry, final, jnp.zeros_like(final)), axis_name)
+  return entering, final

@@ -1,0 +1,46 @@
+"""Step-by-step evaluation of a matrix-state recurrence: the decoding path and the reference.
+
+The steps run in one `lax.scan`. Past `size` steps they are grouped: an outer scan over
+groups keeps one state per group and the scan inside a group is rematerialised in the
+backward pass, so gradients hold T / size states instead of T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+Step = Callable[[Array, Any], tuple[Array, Array]]
+
+
+def run(step: Step, xs: Any, state: Array, size: int) -> tuple[Array, Array]:
+  """Scans `step(state, x_t) -> (state, o_t)` over time-major `xs`; returns `(o, final)`.
+
+  Args:
+    step: one step of the recurrence. A step whose inputs are all zero (and whose reset
+      flag is False) must leave the state unchanged: the last group is padded with them.
+    xs: pytree of time-major `(T, ...)` arrays.
+    state: the state before the first step.
+    size: steps per rematerialised group.
+  """
+  length = jax.tree.leaves(xs)[0].shape[0]
+  if length == 1:  # a decoding step: no loop at all
+    final, out = step(state, jax.tree.map(lambda x: x[0], xs))
+    return out[None], final
+  if length <= size:
+    final, out = lax.scan(step, state, xs)
+    return out, final
+  count = -(-length // size)
+
+  def group(x):
+    x = jnp.pad(x, [(0, count * size - length)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((count, size, *x.shape[1:]))
+
+  final, out = lax.scan(jax.checkpoint(lambda s, x: lax.scan(step, s, x)), state,
+                        jax.tree.map(group, xs))
+  return out.reshape((count * size, *out.shape[2:]))[:length], final

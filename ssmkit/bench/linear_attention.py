@@ -1,0 +1,281 @@
+"""`ssmkit bench linear-attention`: `linear_attention` and `delta_rule` against hand-written forms.
+
+For every shape `(B, T, H, K=V)` (float32, one decay per head g_t ~ -U(0.01, 0.3), keys of
+unit length, beta ~ U(0, 1)), each method computes the outputs o; the forward pass and
+the gradient of sum(o * w) with respect to every input (w ~ N(0, 1)) are timed, and the
+XLA temporary memory and compile time of the gradient are reported. The baselines are
+what a user writes by hand: a `lax.scan` over the (K, V) state, differentiated by
+autodiff, and, for linear attention, the quadratic masked-attention form (skipped where
+its T x T matrices would pass `_QUADRATIC_MAX_BYTES`). Every method is first checked
+against the `lax.scan` result, so the table compares equal results. Each shape's rows are
+printed as soon as they are measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ssmkit.bench import _timing
+from ssmkit.scan import delta_rule, linear_attention
+
+Array = jax.Array
+
+SCAN = "lax.scan"
+QUADRATIC = "quadratic"
+AUTO = "ssmkit auto"
+MODES = ("auto", "sequential", "chunked", "parallel")
+
+_RTOL = 1e-2  # agreement with lax.scan, relative to the largest magnitude (TF32 on GPUs)
+_QUADRATIC_MAX_BYTES = 2**30
+
+# Acceptance criteria at `Suite.judged`.
+_MAX_FORWARD_VS_BEST = 1.15  # linear attention, auto forward over the better baseline
+_MIN_SPEEDUP = 10.0  # linear attention, fwd+bwd of lax.scan over auto's
+_MAX_MEMORY = 0.1  # fwd+bwd temp memory of auto over lax.scan's (both functions)
+_MAX_DELTA_TIME = 0.2  # delta rule, fwd+bwd time of auto over lax.scan's
+_MAX_COMPILE_VS_SCAN = 3.0  # gradient compile time at `Suite.compile_shape`
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  batch: int
+  length: int
+  heads: int
+  dim: int
+
+  def __str__(self) -> str:
+    return f"B={self.batch} T={self.length} H={self.heads} K=V={self.dim}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  shapes: tuple[Shape, ...]
+  judged: Shape | None  # where the criteria are judged; None: no verdicts
+  compile_shape: Shape | None
+
+
+SUITES = {
+    "full": Suite(
+        (Shape(2, 1024, 4, 64), Shape(2, 4096, 4, 64), Shape(1, 16384, 2, 64)),
+        judged=Shape(2, 4096, 4, 64),
+        compile_shape=Shape(1, 16384, 2, 64),
+    ),
+    "small": Suite((Shape(2, 70, 1, 4),), judged=None, compile_shape=None),
+}
+
+Method = Callable[..., Array]  # (q, k, v, g, beta) -> o
+
+
+def _scan_linear_attention(q, k, v, g, beta):
+  del beta
+
+  def step(s, x):
+    q_t, k_t, v_t, g_t = x
+    s = jnp.exp(g_t)[..., None, None] * s + k_t[..., :, None] * v_t[..., None, :]
+    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s)
+
+  state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), q.dtype)
+  _, o = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g)))
+  return jnp.moveaxis(o, 0, 1)
+
+
+def _scan_delta_rule(q, k, v, g, beta):
+  def step(s, x):
+    q_t, k_t, v_t, g_t, b_t = x
+    s = jnp.exp(g_t)[..., None, None] * s
+    error = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, s)
+    s = s + k_t[..., :, None] * (b_t[..., None] * error)[..., None, :]
+    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s)
+
+  state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), q.dtype)
+  _, o = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+  return jnp.moveaxis(o, 0, 1)
+
+
+def _quadratic(q, k, v, g, beta):
+  """o_t = sum_{s<=t} exp(b_t - b_s) (q_t . k_s) v_s with b the cumulative log-decay."""
+  del beta
+  b = jnp.moveaxis(jnp.cumsum(g, axis=1), 2, 1)  # (B, H, T)
+  length = q.shape[1]
+  causal = jnp.tril(jnp.ones((1, 1, length, length), bool))
+  decay = jnp.exp(jnp.where(causal, b[..., :, None] - b[..., None, :], -jnp.inf))
+  weights = jnp.einsum("bthk,bshk->bhts", q, k) * decay
+  return jnp.einsum("bhts,bshv->bthv", weights, v)
+
+
+def _methods(function: str, shape: Shape) -> dict[str, Method]:
+  if function == "linear_attention":
+    methods = {SCAN: _scan_linear_attention}
+    if shape.batch * shape.heads * shape.length**2 * 4 <= _QUADRATIC_MAX_BYTES:
+      methods[QUADRATIC] = _quadratic
+    ours = lambda mode: lambda q, k, v, g, beta: linear_attention(q, k, v, g, mode=mode)
+  else:
+    methods = {SCAN: _scan_delta_rule}
+    ours = lambda mode: lambda q, k, v, g, beta: delta_rule(q, k, v, beta, g, mode=mode)
+  methods.update({f"ssmkit {mode}": ours(mode) for mode in MODES})
+  return methods
+
+
+def _inputs(shape: Shape, key: Array) -> tuple[Array, ...]:
+  keys = jax.random.split(key, 6)
+  dims = (shape.batch, shape.length, shape.heads, shape.dim)
+  q = jax.random.normal(keys[0], dims) / np.sqrt(shape.dim)
+  k = jax.random.normal(keys[1], dims)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(keys[2], dims)
+  g = -jax.random.uniform(keys[3], dims[:3], minval=0.01, maxval=0.3)
+  beta = jax.random.uniform(keys[4], dims[:3])
+  w = jax.random.normal(keys[5], dims)
+  return q, k, v, g, beta, w
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  function: str
+  shape: Shape
+  method: str
+  forward_s: float
+  gradient_s: float
+  gradient_temp_bytes: int | None
+  gradient_compile_s: float
+
+
+def _bench(function: str, shape: Shape, repeats: int, key: Array) -> list[Result]:
+  q, k, v, g, beta, w = _inputs(shape, key)
+  args = (q, k, v, g, beta)
+  compiled, reference = {}, None
+  for name, method in _methods(function, shape).items():
+    forward, _ = _timing.compile_timed(method, *args)
+    loss = lambda *a, method=method: jnp.sum(method(*a[:5]) * a[5])
+    gradient, compile_s = _timing.compile_timed(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args, w)
+    out = np.asarray(forward(*args))
+    if reference is None:
+      reference = out
+    elif not np.abs(out - reference).max() <= _RTOL * np.abs(reference).max():
+      raise RuntimeError(f"{name} disagrees with {SCAN} for {function} at {shape}.")
+    compiled[name] = (forward, gradient, compile_s)
+  thunks = {}
+  for name, (forward, gradient, _) in compiled.items():
+    thunks[name, "forward"] = functools.partial(forward, *args)
+    thunks[name, "gradient"] = functools.partial(gradient, *args, w)
+  seconds = _timing.interleaved_medians(thunks, repeats=repeats)
+  return [
+      Result(function, shape, name, seconds[name, "forward"], seconds[name, "gradient"],
+             _timing.temp_bytes(gradient), compile_s)
+      for name, (_, gradient, compile_s) in compiled.items()
+  ]
+
+
+HEADERS = ("function", "shape", "method", "fwd ms", "fwd+bwd ms", "x lax.scan fwd+bwd",
+           "temp MiB", "x lax.scan temp", "compile s")
+FUNCTIONS = ("linear_attention", "delta_rule")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  function: str
+  shape: Shape
+
+  def __str__(self) -> str:
+    return f"{self.function} {self.shape}"
+
+
+def _rows(results: list[Result]) -> list[tuple[str, ...]]:
+  """One shape's rows, ratios against its `lax.scan` row."""
+  scan = next(r for r in results if r.method == SCAN)
+
+  def memory(r: Result) -> tuple[str, str]:
+    if r.gradient_temp_bytes is None or not scan.gradient_temp_bytes:
+      return "n/a", "n/a"
+    return (_timing.significant(r.gradient_temp_bytes / 2**20),
+            f"{r.gradient_temp_bytes / scan.gradient_temp_bytes:.3f}")
+
+  return [
+      (r.function, str(r.shape), r.method, _timing.significant(r.forward_s * 1e3),
+       _timing.significant(r.gradient_s * 1e3), f"{scan.gradient_s / r.gradient_s:.1f}",
+       *memory(r), f"{r.gradient_compile_s:.2f}")
+      for r in results
+  ]
+
+
+def criteria(results: list[Result], suite: Suite) -> list[tuple[bool, str]]:
+  """The acceptance criteria of the auto mode, judged on `results`."""
+  at = {(r.function, r.shape, r.method): r for r in results}
+  la = lambda method, shape=suite.judged: at["linear_attention", shape, method]
+  dr = lambda method: at["delta_rule", suite.judged, method]
+  best = min(la(m).forward_s for m in (SCAN, QUADRATIC) if ("linear_attention", suite.judged, m) in at)
+  found = [
+      (la(AUTO).forward_s / best <= _MAX_FORWARD_VS_BEST,
+       f"linear_attention auto fwd <= {_MAX_FORWARD_VS_BEST}x the better baseline at "
+       f"{suite.judged} ({la(AUTO).forward_s / best:.2f}x)"),
+      (la(SCAN).gradient_s / la(AUTO).gradient_s >= _MIN_SPEEDUP,
+       f"linear_attention auto fwd+bwd >= {_MIN_SPEEDUP:.0f}x faster than {SCAN} "
+       f"({la(SCAN).gradient_s / la(AUTO).gradient_s:.1f}x)"),
+      (dr(AUTO).gradient_s / dr(SCAN).gradient_s <= _MAX_DELTA_TIME,
+       f"delta_rule auto fwd+bwd <= {_MAX_DELTA_TIME}x the time of {SCAN} "
+       f"({dr(AUTO).gradient_s / dr(SCAN).gradient_s:.3f}x)"),
+  ]
+  for function, get in (("linear_attention", la), ("delta_rule", dr)):
+    if get(AUTO).gradient_temp_bytes is not None:
+      ratio = get(AUTO).gradient_temp_bytes / get(SCAN).gradient_temp_bytes
+      found.append((ratio <= _MAX_MEMORY,
+                    f"{function} auto fwd+bwd temp memory <= {_MAX_MEMORY}x {SCAN}'s ({ratio:.3f}x)"))
+  shape = suite.compile_shape
+  ratio = la(AUTO, shape).gradient_compile_s / la(SCAN, shape).gradient_compile_s
+  found.append((ratio <= _MAX_COMPILE_VS_SCAN,
+                f"linear_attention auto gradient compile time <= {_MAX_COMPILE_VS_SCAN:.0f}x "
+                f"{SCAN}'s at {shape} ({ratio:.2f}x)"))
+  return found
+
+
+def run(*, shapes: str, repeats: int, markdown: bool) -> int:
+  """Runs the suite named `shapes`, printing each shape's rows as they are measured.
+
+  Args:
+    shapes: a key of `SUITES`: "full", or "small" for a run of a few seconds.
+    repeats: timed samples per cell, the methods taking turns; the median is shown.
+    markdown: print a GitHub markdown table.
+
+  Returns:
+    0, the exit status; a failed criterion is reported, not raised.
+  """
+  suite = SUITES[shapes]
+  device = jax.devices()[0]
+  print(
+      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32, one decay "
+      f"per head; median of {repeats} samples per time (fewer where they would take over "
+      f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x lax.scan: {SCAN}'s fwd+bwd time "
+      "(or temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function."
+  )
+  print()
+  cases = [Case(function, shape) for shape in suite.shapes for function in FUNCTIONS]
+  methods = [*_methods("linear_attention", suite.shapes[0]), *(f"ssmkit {m}" for m in MODES)]
+  table = _timing.StreamedTable(
+      HEADERS, [FUNCTIONS, [str(s) for s in suite.shapes], methods], markdown=markdown
+  )
+  results = []
+  for i, case in enumerate(_timing.within_budget(cases, "linear-attention")):
+    rows = _bench(case.function, case.shape, repeats, jax.random.key(i))
+    table.add(_rows(rows))
+    results.extend(rows)
+  print()
+  if suite.judged is None:
+    print(_timing.SMALL_SHAPES_NOTE)
+    return 0
+  measured = {(r.function, r.shape) for r in results}
+  needed = {(f, s) for f in FUNCTIONS for s in (suite.judged,)} | {
+      ("linear_attention", suite.compile_shape)}
+  if not needed <= measured:
+    print("Criteria: not judged, the budget skipped the shapes they need.")
+    return 0
+  print("Criteria (auto mode):")
+  for passed, text in criteria(results, suite):
+    print(f"{'- ' if markdown else ''}{'PASS' if passed else 'FAIL'}  {text}")
+  return 0

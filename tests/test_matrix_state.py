@@ -1,0 +1,363 @@
+"""`linear_attention` and `delta_rule`: every mode against a float64 loop, gradients, resets,
+streaming, dtypes, memory and errors.
+
+The reference (`references.matrix_state`) runs the recurrence one step at a time in float64
+NumPy; `references.matrix_state_scan` is the same loop as a `lax.scan`, to differentiate.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import references
+from ssmkit.scan import delta_rule, linear_attention
+
+# (name, delta rule?, decay kind): every decay each function takes.
+KINDS = [
+    ("linear", False, None),
+    ("ssd", False, "head"),
+    ("gla", False, "key"),
+    ("deltanet", True, None),
+    ("gated-deltanet", True, "head"),
+]
+KIND_IDS = [k[0] for k in KINDS]
+MODES = ["sequential", "chunked", "parallel", "auto"]
+LENGTHS = [0, 1, 2, 7, 63, 64, 65, 257]
+CHUNK = 16  # chunk edges at 16, 32, ...; "auto" keeps the default chunk of 64
+TOL64 = 1e-8
+
+
+def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1):
+  """Random inputs of one kind; unit-norm keys and beta in (0, 1) for the delta rule."""
+  _, delta, decay = kind
+  shape = (*batch, length, heads)
+  q = rng.normal(size=(*shape, dim_k))
+  k = rng.normal(size=(*shape, dim_k))
+  if delta:
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.normal(size=(*shape, dim_v))
+  g = {None: None, "head": -rng.uniform(0.0, 1.0, shape),
+       "key": -rng.uniform(0.0, 1.0, (*shape, dim_k))}[decay]
+  return dict(
+      q=q, k=k, v=v, log_decay=g,
+      beta=rng.uniform(0.0, 1.0, shape) if delta else None,
+      initial_state=rng.normal(size=(*batch, heads, dim_k, dim_v)),
+      reset=rng.uniform(size=(*batch, length)) < reset_rate,
+  )
+
+
+def _call(kind, x, **kwargs):
+  """The function under test for `kind` on the inputs `x` (a dict of `_inputs`)."""
+  if kind[1]:
+    return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"],
+                      initial_state=x["initial_state"], reset=x["reset"], **kwargs)
+  return linear_attention(x["q"], x["k"], x["v"], x["log_decay"],
+                          initial_state=x["initial_state"], reset=x["reset"], **kwargs)
+
+
+def _reference(x, differentiable=False):
+  loop = references.matrix_state_scan if differentiable else references.matrix_state
+  return loop(x["q"], x["k"], x["v"], x["log_decay"], x["beta"], x["initial_state"], x["reset"])
+
+
+def _assert_close(actual, expected, tol):
+  expected = np.asarray(expected)
+  scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+  np.testing.assert_allclose(np.asarray(actual), expected, rtol=tol, atol=tol * scale)
+
+
+@functools.cache
+def _jitted(kind, mode, chunk_size):
+  """One compiled function per case, shared by the tests that use it."""
+  return jax.jit(functools.partial(_call, kind, mode=mode, chunk_size=chunk_size,
+                                   return_final_state=True))
+
+
+def _chunk(mode):
+  return None if mode == "auto" else CHUNK
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_every_mode_matches_float64_loop(kind, mode):
+  rng = np.random.default_rng(7)
+  batches = [(), (2,), (2, 1), (3,)]
+  for i, length in enumerate(LENGTHS):
+    x = _inputs(rng, kind, batches[i % len(batches)], length)
+    out, final = _jitted(kind, mode, _chunk(mode))(x)
+    expected, expected_final = _reference(x)
+    assert out.dtype == jnp.float64 and final.dtype == jnp.float64
+    chex.assert_shape(out, x["v"].shape)
+    _assert_close(out, expected, TOL64)
+    _assert_close(final, expected_final, TOL64)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_resets_at_chunk_edges_and_inside_chunks(kind):
+  rng = np.random.default_rng(3)
+  x = _inputs(rng, kind, (2,), 70, reset_rate=0.0)
+  x["reset"][0, [0, 15, 16, 17, 32, 69]] = True  # first step, chunk edges, inside chunks
+  x["reset"][1, [5, 6, 47]] = True
+  expected, expected_final = _reference(x)
+  for mode in ("chunked", "parallel"):
+    out, final = _jitted(kind, mode, CHUNK)(x)
+    _assert_close(out, expected, TOL64)
+    _assert_close(final, expected_final, TOL64)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_reset_cuts_every_information_before_it(kind):
+  """Outputs after a reset depend on nothing before it: changing the past changes nothing."""
+  rng = np.random.default_rng(4)
+  x = _inputs(rng, kind, (), 40, reset_rate=0.0)
+  x["reset"][21] = True
+  y = dict(x, initial_state=x["initial_state"] + 5.0)
+  for name in ("q", "k", "v", "log_decay", "beta"):
+    if y[name] is not None:
+      y[name] = y[name].copy()
+      y[name][:21] = x[name][:21] * 0.5
+  for mode in ("sequential", "chunked", "parallel"):
+    out_x, final_x = _jitted(kind, mode, CHUNK)(x)
+    out_y, final_y = _jitted(kind, mode, CHUNK)(y)
+    np.testing.assert_allclose(out_x[21:], out_y[21:], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(final_x, final_y, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(out_x[:21], out_y[:21])
+
+
+NON_FINITE_CASES = [
+    (kind, name)
+    for kind in KINDS
+    for name in ("k", "v", "log_decay", "beta", "initial_state")
+    if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1])
+]
+
+
+@pytest.mark.parametrize("kind, name", NON_FINITE_CASES,
+                         ids=[f"{k[0]}-{n}" for k, n in NON_FINITE_CASES])
+def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
+  rng = np.random.default_rng(5)
+  x = _inputs(rng, kind, (), 20, reset_rate=0.0)
+  x["reset"][[6, 13]] = True
+  if name == "initial_state":
+    x[name][1, 0, 0] = np.inf
+  elif name == "log_decay":
+    # A traced decay: concrete non-finite decays are refused at trace time.
+    x[name][3, 1] = np.nan
+  else:
+    x[name][3, 1] = np.nan
+    x[name][10, 0] = np.inf
+  expected, expected_final = _reference(x)
+  for mode, chunk in (("sequential", 4), ("chunked", 5), ("chunked", 8), ("parallel", 8)):
+    out, final = _jitted(kind, mode, chunk)(x)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(out), finite)
+    np.testing.assert_array_equal(np.isfinite(final), np.isfinite(expected_final))
+    _assert_close(np.asarray(out)[finite], expected[finite], TOL64)
+    assert np.all(np.isfinite(np.asarray(out)[14:]))
+
+
+def _loss(f, x, names):
+  """sum(sin(o)) + sum(S_T^2) as a function of the inputs `names`."""
+
+  def loss(*values):
+    out, final = f(dict(x, **dict(zip(names, values, strict=True))))
+    return jnp.sum(jnp.sin(out)) + jnp.sum(final**2)
+
+  return loss
+
+
+def _differentiable(x):
+  return [n for n in ("q", "k", "v", "log_decay", "beta", "initial_state") if x[n] is not None]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_gradients_and_jvp_match_autodiff_of_float64_loop(kind):
+  rng = np.random.default_rng(11)
+  x = _inputs(rng, kind, (2,), 70)
+  names = _differentiable(x)
+  values = [x[n] for n in names]
+  argnums = tuple(range(len(names)))
+  tangents = [rng.normal(size=np.shape(v)) for v in values]
+  reference = _loss(lambda y: _reference(y, differentiable=True), x, names)
+  expected = jax.jit(jax.grad(reference, argnums))(*values)
+  expected_jvp = jax.jit(lambda v, t: jax.jvp(reference, v, t)[1])(values, tangents)
+  # On CPU, "auto" computes values step by step and derivatives chunked (70 >= 64 steps).
+  for mode, chunk in (("sequential", 8), ("chunked", 8), ("parallel", 8), ("auto", None)):
+    actual = _loss(_jitted(kind, mode, chunk), x, names)
+    for g, e in zip(jax.jit(jax.grad(actual, argnums))(*values), expected, strict=True):
+      _assert_close(g, e, 1e-6)
+    _assert_close(jax.jit(lambda v, t, f=actual: jax.jvp(f, v, t)[1])(values, tangents),
+                  expected_jvp, 1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_gradients_match_finite_differences(kind):
+  rng = np.random.default_rng(12)
+  x = _inputs(rng, kind, (), 11, heads=1, dim_k=3, dim_v=2, reset_rate=0.2)
+  names = _differentiable(x)
+  loss = _loss(_jitted(kind, "chunked", 4), x, names)
+  check_grads(loss, [x[n] for n in names], order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+def test_jacfwd_and_hessian_vector_products_work():
+  rng = np.random.default_rng(13)
+  x = _inputs(rng, KINDS[4], (), 9, heads=1, dim_k=2, dim_v=2)
+  f = lambda v: _jitted(KINDS[4], "chunked", 4)(dict(x, v=v))[0]
+  reference = lambda v: _reference(dict(x, v=v), differentiable=True)[0]
+  _assert_close(jax.jacfwd(f)(x["v"]), jax.jacfwd(reference)(x["v"]), 1e-9)
+  loss = lambda v: jnp.sum(jnp.sin(f(v)))
+  tangent = rng.normal(size=x["v"].shape)
+  hvp = jax.jvp(jax.grad(loss), (x["v"],), (tangent,))[1]
+  expected = jax.jvp(jax.grad(lambda v: jnp.sum(jnp.sin(reference(v)))), (x["v"],), (tangent,))[1]
+  _assert_close(hvp, expected, 1e-8)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_streaming_in_pieces_equals_one_pass(kind):
+  """Pieces of 23, 1, 1, 80 and 5 steps, each from the state the last one left."""
+  rng = np.random.default_rng(14)
+  x = _inputs(rng, kind, (2,), 110)
+  expected, expected_final = _reference(x)
+  state, outs, start = x["initial_state"], [], 0
+  for length in (23, 1, 1, 80, 5):
+    piece = {n: None if x[n] is None or n == "initial_state" else x[n][:, start:start + length]
+             for n in x}
+    out, state = _jitted(kind, "auto", None)(dict(piece, initial_state=state))
+    outs.append(out)
+    start += length
+  _assert_close(np.concatenate(outs, axis=1), expected, TOL64)
+  _assert_close(state, expected_final, TOL64)
+
+
+@pytest.mark.parametrize("kind", [KINDS[1], KINDS[4]], ids=["ssd", "gated-deltanet"])
+def test_a_decoding_step_runs_no_chunk_machinery(kind):
+  x = _inputs(np.random.default_rng(15), kind, (2,), 1)
+  jaxpr = str(jax.make_jaxpr(functools.partial(_call, kind, mode="auto"))(x))
+  for primitive in ("scan", "while", "triangular_solve", "cumsum", "dot_general"):
+    if primitive == "dot_general":
+      assert jaxpr.count(primitive) <= 2, jaxpr  # the read-out (and the delta rule's prediction)
+    else:
+      assert primitive not in jaxpr, jaxpr
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_bfloat16_inputs_accumulate_in_float32(kind):
+  rng = np.random.default_rng(16)
+  x = _inputs(rng, kind, (2,), 150, reset_rate=0.02)
+  low = {n: None if x[n] is None or n == "reset" else jnp.asarray(x[n], jnp.bfloat16) for n in x}
+  low["reset"] = x["reset"]
+  exact = {n: x[n] if n == "reset" or x[n] is None else np.asarray(low[n], np.float64) for n in x}
+  expected, expected_final = _reference(exact)
+  for mode in ("sequential", "chunked"):
+    out, final = _jitted(kind, mode, 64)(low)
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.bfloat16
+    # Only the final rounding to bfloat16 (8 bits of mantissa) separates them.
+    _assert_close(np.asarray(out, np.float64), expected, 2e-2)
+    _assert_close(np.asarray(final, np.float64), expected_final, 2e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_jit_equals_no_jit_and_does_not_retrace(kind):
+  rng = np.random.default_rng(17)
+  x = _inputs(rng, kind, (2,), 21)
+  eager = _call(kind, x, mode="chunked", chunk_size=8, return_final_state=True)
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def jitted(x):
+    return _call(kind, x, mode="chunked", chunk_size=8, return_final_state=True)
+
+  chex.assert_trees_all_close(jitted(x), eager, rtol=1e-12, atol=1e-12)
+  jitted(_inputs(rng, kind, (2,), 21))
+
+
+@pytest.mark.parametrize("kind", [KINDS[1], KINDS[4]], ids=["ssd", "gated-deltanet"])
+def test_gradient_memory_holds_one_state_per_chunk_not_per_step(kind):
+  """Each added step costs the gradient far less than the state `lax.scan` autodiff keeps per step."""
+  heads, dim = 2, 32
+
+  def temp_bytes(length):
+    x = _inputs(np.random.default_rng(18), kind, (), length, heads=heads, dim_k=dim, dim_v=dim,
+                reset_rate=0.0)
+    x = {n: v if v is None or n == "reset" else jnp.asarray(v, jnp.float32) for n, v in x.items()}
+    names = _differentiable(x)
+    loss = _loss(functools.partial(_call, kind, mode="chunked", return_final_state=True), x, names)
+    compiled = jax.jit(jax.grad(loss, tuple(range(len(names))))).lower(
+        *[x[n] for n in names]).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  per_step = (temp_bytes(2048) - temp_bytes(1024)) / 1024
+  assert per_step < heads * dim * dim * 4 / 4
+
+
+def test_one_decay_per_key_is_one_per_head_when_the_keys_agree():
+  rng = np.random.default_rng(19)
+  x = _inputs(rng, KINDS[1], (2,), 33)
+  per_key = dict(x, log_decay=np.repeat(x["log_decay"][..., None], 5, axis=-1))
+  for mode in ("chunked", "parallel"):
+    _assert_close(_jitted(KINDS[2], mode, CHUNK)(per_key)[0],
+                  _jitted(KINDS[1], mode, CHUNK)(x)[0], 1e-12)
+
+
+def test_delta_rule_with_beta_zero_is_a_decaying_identity():
+  """beta = 0 writes nothing: the state only decays and q reads it."""
+  rng = np.random.default_rng(20)
+  x = _inputs(rng, KINDS[4], (), 30, reset_rate=0.0)
+  x["beta"] = np.zeros_like(x["beta"])
+  out, final = _jitted(KINDS[4], "chunked", 8)(x)
+  decay = np.exp(np.cumsum(x["log_decay"], axis=0))  # (T, H)
+  states = decay[:, :, None, None] * x["initial_state"]
+  _assert_close(out, np.einsum("thk,thkv->thv", x["q"], states), 1e-12)
+  _assert_close(final, states[-1], 1e-12)
+
+
+def _valid(**overrides):
+  x = dict(q=jnp.ones((2, 5, 3, 4)), k=jnp.ones((2, 5, 3, 4)), v=jnp.ones((2, 5, 3, 6)),
+           beta=jnp.ones((2, 5, 3)))
+  x.update(overrides)
+  return x
+
+
+ERRORS = [
+    (dict(k=jnp.ones((2, 5, 3, 5))), ValueError, "`k` must have the shape of `q`"),
+    (dict(v=jnp.ones((2, 4, 3, 6))), ValueError, "`v` must be"),
+    (dict(q=jnp.ones((5, 4)), k=jnp.ones((5, 4)), v=jnp.ones((5, 4))), ValueError, "`q` must be"),
+    (dict(q=jnp.ones((2, 5, 3, 4), jnp.int32)), TypeError, "`q` must have a real floating"),
+    (dict(log_decay=jnp.zeros((2, 5))), ValueError, "`log_decay` must be"),
+    (dict(log_decay=jnp.full((2, 5, 3), 0.1)), ValueError, "<= 0"),
+    (dict(log_decay=jnp.full((2, 5, 3), -jnp.inf)), ValueError, "finite"),
+    (dict(reset=jnp.zeros((2, 5), jnp.int32)), TypeError, "`reset` must be a boolean"),
+    (dict(reset=jnp.zeros((5, 2), bool)), ValueError, "`reset` must have shape (2, 5)"),
+    (dict(initial_state=jnp.zeros((2, 3, 6, 4))), ValueError, "`initial_state` must have shape"),
+    (dict(mode="fast"), ValueError, "`mode` must be one of"),
+    (dict(chunk_size=0), ValueError, "`chunk_size` must be positive"),
+    (dict(chunk_size=2.0), TypeError, "`chunk_size` must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
+@pytest.mark.parametrize("overrides, error, match", ERRORS,
+                         ids=[e[2].split("`")[1] if "`" in e[2] else e[2] for e in ERRORS])
+def test_bad_input_is_refused_naming_the_argument(delta, overrides, error, match):
+  x = _valid(**overrides)
+  beta = x.pop("beta")
+  q, k, v = x.pop("q"), x.pop("k"), x.pop("v")
+  with pytest.raises(error, match=match.replace("(", r"\(").replace(")", r"\)")):
+    if delta:
+      delta_rule(q, k, v, beta, x.pop("log_decay", None), **x)
+    else:
+      linear_attention(q, k, v, x.pop("log_decay", None), **x)
+
+
+def test_delta_rule_refuses_one_decay_per_key_and_a_misshapen_beta():
+  x = _valid()
+  with pytest.raises(ValueError, match="`log_decay` must be"):
+    delta_rule(x["q"], x["k"], x["v"], x["beta"], jnp.zeros((2, 5, 3, 4)))
+  with pytest.raises(ValueError, match="`beta` must have shape"):
+    delta_rule(x["q"], x["k"], x["v"], jnp.ones((2, 5)))
