@@ -35,7 +35,7 @@ _LINEN_NORM_SCOPES = {"layer": "LayerNorm_0", "rms": "RMSNorm_0", "batch": "Batc
 
 def _options(layer: Any) -> dict[str, Any]:
   """The options of a layer of either front end, by name."""
-  linen = front_end(type(layer)).linen if isinstance(layer, nn.Module) else type(layer).linen
+  linen = front_end(type(layer), "module").linen if isinstance(layer, nn.Module) else type(layer).linen
   return {name: getattr(layer, name) for name in option_names(linen)}
 
 
@@ -73,7 +73,7 @@ def _moved(model: Module) -> list[tuple[tuple[Any, ...], tuple[Any, ...], Array]
 def _front_end_factory(linen_factory: Callable[..., nn.Module]) -> Callable[..., Layer]:
   """The NNX layer factory (class and options) of a linen block's `layer`."""
   layer = linen_factory(parent=None)
-  return functools.partial(front_end(type(layer)), **_options(layer))
+  return functools.partial(front_end(type(layer), "module.layer"), **_options(layer))
 
 
 def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
@@ -124,11 +124,9 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
     norm = params["norm"][_LINEN_NORM_SCOPES[module.norm]]
     model = SSMBlock(np.shape(norm["scale"])[-1], layer=_front_end_factory(module.layer), rngs=rngs,
                      **_block_options(module))
-  elif isinstance(module, nn.Module):
-    cls = front_end(type(module))
-    model = cls(_layer_width(cls, module, params), rngs=rngs, **_options(module))
   else:
-    raise TypeError(f"`module` must be a linen module of ssmkit.layers, got {type(module).__name__}.")
+    cls = front_end(type(module), "module")
+    model = cls(_layer_width(cls, module, params), rngs=rngs, **_options(module))
   given = traverse_util.flatten_dict({c: variables[c] for c in _COLLECTIONS.values() if c in variables})
   values = {}
   for path, linen_path, value in _moved(model):

@@ -34,12 +34,17 @@ def option_names(linen: type[nn.Module]) -> tuple[str, ...]:
   return tuple(f.name for f in dataclasses.fields(linen) if f.init and f.name not in ("parent", "name"))
 
 
-def front_end(linen: type[nn.Module]) -> type[Layer]:
-  """The NNX layer class of the linen layer class `linen` (or of the layer it subclasses)."""
+def front_end(linen: type[nn.Module], argument: str) -> type[Layer]:
+  """The NNX layer class of the linen layer class `linen` (or of the layer it subclasses).
+
+  Raises:
+    TypeError: naming `argument` when `linen` is not a layer of `ssmkit.layers`.
+  """
   for cls in linen.__mro__:
     if cls in _BY_LINEN:
       return _BY_LINEN[cls]
-  raise TypeError(f"{linen.__name__} is not a layer of ssmkit.layers with an NNX front end.")
+  raise TypeError(f"`{argument}` must be a layer of ssmkit.layers, an SSMBlock or a SequenceModel, "
+                  f"got {linen.__name__}.")
 
 
 def _signature(linen: type[nn.Module]) -> inspect.Signature:
