@@ -16,6 +16,7 @@ from flax import nnx
 
 import ssmkit.nnx as snx
 from ssmkit import layers
+from ssmkit._src.train.core.model import parameter_labels
 
 # Every layer (the variants of tests/test_layers.py): NNX factory and linen twin, width 4.
 LAYERS = {
@@ -433,6 +434,17 @@ def test_adam_steps_lower_the_loss_as_the_linen_models_do():
   assert nnx_losses[-1] <= 0.8 * nnx_losses[0] and linen_losses[-1] <= 0.8 * linen_losses[0]
   # Same start, same maths: the same losses all the way, up to float rounding.
   np.testing.assert_allclose(nnx_losses, linen_losses, rtol=1e-3)
+
+
+def test_the_trainers_optimizer_groups_label_nnx_parameters_as_linen_ones():
+  model, _, variables = _models()
+  labels = parameter_labels(nnx.state(model, nnx.Param), "lru")
+  assert sorted(jax.tree.leaves(labels)) == sorted(jax.tree.leaves(parameter_labels(variables["params"],
+                                                                                     "lru")))
+  block = labels["blocks"][0]
+  assert (block["ssm"]["nu_log"].get_value(), block["norm"]["scale"].get_value(),
+          block["glu_gate"]["kernel"].get_value(), labels["encoder"]["bias"].get_value()
+          ) == ("ssm", "no_decay", "decay", "no_decay")
 
 
 def test_split_and_merge_round_trip():
