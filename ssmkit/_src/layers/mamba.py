@@ -57,10 +57,6 @@ def _a_log_init(key: Array, shape, dtype=jnp.float32) -> Array:
   return jnp.log(jnp.broadcast_to(jnp.arange(1, shape[-1] + 1, dtype=dtype), shape))
 
 
-def _rank(cfg: Any, features: int) -> int:
-  return cfg.dt_rank or math.ceil(features / 16)
-
-
 def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   """The Mamba block's parameters for inputs of width `features` H, in `cfg`'s configuration.
 
@@ -74,7 +70,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     x_proj `(D, R + 2 N)` for the step rank R; dt_proj `(R, D)`; dt_bias `(D,)`; A_log
     `(D, N)`; D `(D,)`; out_proj `(D, H)`.
   """
-  inner, n, rank = cfg.expand * features, cfg.d_state, _rank(cfg, features)
+  inner, n, rank = cfg.expand * features, cfg.d_state, cfg.dt_rank or math.ceil(features / 16)
   return {
       "in_proj": common.ParamSpec((features, 2 * inner), _uniform(features**-0.5)),
       "conv_kernel": common.ParamSpec((cfg.d_conv, inner), _uniform(cfg.d_conv**-0.5)),

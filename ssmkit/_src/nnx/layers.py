@@ -89,7 +89,7 @@ class Layer(nnx.Module):
     if unknown:
       raise TypeError(f"{type(self).__name__} got unknown options {unknown}; its options are {names}.")
     # The linen layer checks the values and fills in the defaults.
-    config = self.linen(**options)
+    config = self.linen(**options, parent=None)
     for name in names:
       setattr(self, name, getattr(config, name))
     self.features = features
