@@ -9,6 +9,7 @@ import jax
 
 from ssmkit import cli
 from ssmkit.bench import _timing
+from ssmkit.bench import layers as layers_bench
 from ssmkit.bench import linear_attention as la_bench
 
 METHODS = (
@@ -175,3 +176,11 @@ def test_bench_linear_attention_criteria_judge_the_auto_rows():
   # fwd 1.1x: pass; 11.1x faster: pass; delta 0.25x the time: fail; memory 0.09x and 0.05x:
   # pass; compile 3.5x: fail.
   assert verdicts == [True, True, False, True, True, False]
+
+
+def test_bench_layers_times_one_model_through_both_front_ends():
+  results = layers_bench._bench_front_ends(layers_bench.Shape(2, 5, 4), 1, 1, jax.random.key(0))
+  assert [r.front_end for r in results] == list(layers_bench.FRONT_ENDS)
+  assert all(r.forward_s > 0 and r.backward_s > 0 for r in results)
+  table = layers_bench._front_end_table(results, markdown=True)
+  assert "| linen (jax.jit) " in table and "| nnx (nnx.jit) " in table and "1.00 |" in table

@@ -1,5 +1,6 @@
-"""`ssmkit bench layers`: throughput and memory of each SSM layer per mode, and the compile
-time of deep models with their blocks unrolled or scanned.
+"""`ssmkit bench layers`: throughput and memory of each SSM layer per mode, the compile
+time of deep models with their blocks unrolled or scanned, and the same model through the
+linen and the NNX front end.
 
 Each layer maps float32 inputs `(B, T, H)` ~ N(0, 1) to outputs of the same shape; the
 forward pass and the gradient of sum(y * w) with respect to the parameters and the inputs
@@ -7,6 +8,11 @@ forward pass and the gradient of sum(y * w) with respect to the parameters and t
 `lax.associative_scan`, as the S5 and LRU reference implementations do, so the
 "x parallel" column is the speed over that way of writing the layer. Every mode is first
 checked against the sequential mode, so the table compares equal results.
+
+The front-end table times one `SequenceModel` (LRU blocks) with the same parameters as a
+linen module under `jax.jit` and as an `ssmkit.nnx` module under `nnx.jit`, each called as
+its users call it: the forward pass, and the gradient of the cross-entropy with respect to
+the parameters. NNX's own work on every call (walking the module's graph) is in its times.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ssmkit import layers
+from ssmkit import nnx as ssmkit_nnx
 from ssmkit.bench import _timing
 
 Array = jax.Array
@@ -191,6 +199,61 @@ def _depth_table(results: list[DepthResult], markdown: bool) -> str:
                               markdown=markdown, labels=2)
 
 
+@dataclasses.dataclass(frozen=True)
+class FrontEndResult:
+  """Seconds per call of one front end: forward, and gradient of the loss (forward+backward)."""
+
+  front_end: str
+  forward_s: float
+  backward_s: float
+
+
+FRONT_ENDS = ("linen (jax.jit)", "nnx (nnx.jit)", "nnx (split, jax.jit)")
+
+
+def _bench_front_ends(shape: Shape, blocks: int, repeats: int, key: Array) -> list[FrontEndResult]:
+  """The same `blocks`-block LRU classifier through linen and NNX, checked equal, then timed."""
+  x = jax.random.normal(key, (shape.batch, shape.length, shape.features))
+  labels = jnp.arange(shape.batch) % 10
+  cross_entropy = lambda logits: -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+  model = ssmkit_nnx.SequenceModel(
+      shape.features, 10, layer=functools.partial(ssmkit_nnx.LRU, **LAYERS["LRU"].keywords),
+      features=shape.features, num_blocks=blocks, rngs=nnx.Rngs(0))
+  module, variables = ssmkit_nnx.to_linen(model)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  linen_loss = lambda params, x: cross_entropy(module.apply({"params": params}, x))
+  split_loss = lambda params, x: cross_entropy(nnx.merge(graphdef, params, rest)(x))
+  forward = {
+      FRONT_ENDS[0]: functools.partial(jax.jit(module.apply), variables, x),
+      FRONT_ENDS[1]: functools.partial(nnx.jit(lambda model, x: model(x)), model, x),
+      FRONT_ENDS[2]: functools.partial(jax.jit(lambda params, x: nnx.merge(graphdef, params, rest)(x)),
+                                       params, x),
+  }
+  gradient = {
+      FRONT_ENDS[0]: functools.partial(jax.jit(jax.grad(linen_loss)), variables["params"], x),
+      FRONT_ENDS[1]: functools.partial(nnx.jit(nnx.grad(lambda model, x: cross_entropy(model(x)))),
+                                       model, x),
+      FRONT_ENDS[2]: functools.partial(jax.jit(jax.grad(split_loss)), params, x),
+  }
+  want = np.asarray(forward[FRONT_ENDS[0]]())
+  for name, run in forward.items():
+    if not np.all(np.abs(np.asarray(run()) - want) <= _RTOL * (np.abs(want) + np.abs(want).max())):
+      raise RuntimeError(f"{name} disagrees with the linen model at {shape}.")
+  forward_s = _timing.interleaved_medians(forward, repeats=repeats)
+  backward_s = _timing.interleaved_medians(gradient, repeats=repeats)
+  return [FrontEndResult(name, forward_s[name], backward_s[name]) for name in FRONT_ENDS]
+
+
+def _front_end_table(results: list[FrontEndResult], markdown: bool) -> str:
+  base = results[0]
+  rows = [(r.front_end, _timing.significant(r.forward_s * 1e3), _timing.significant(r.backward_s * 1e3),
+           f"{r.forward_s / base.forward_s:.2f}", f"{r.backward_s / base.backward_s:.2f}")
+          for r in results]
+  return _timing.format_table(("front end", "fwd ms", "fwd+bwd ms", "fwd / linen", "fwd+bwd / linen"),
+                              rows, markdown=markdown)
+
+
 def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None = None) -> int:
   """Runs the suite `shapes` ("full" or "small") and prints both tables.
 
@@ -240,6 +303,16 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
     depth.extend(_bench_depth(blocks, suite.model_shape, repeats, jax.random.key(blocks)))
   if depth:
     print(_depth_table(depth, markdown))
+  blocks = 2
+  print()
+  print(f"A {blocks}-block LRU classifier at {suite.model_shape}, the same parameters through each "
+        "front end: forward, and gradient of the cross-entropy; / linen: the time over linen's. "
+        "nnx.jit walks the module's graph in Python on every call; the split form (nnx.split "
+        "once, nnx.merge inside jax.jit, Flax's advice for hot loops) does not.")
+  print()
+  for _ in _timing.within_budget(["front ends"], "layers front ends"):
+    print(_front_end_table(_bench_front_ends(suite.model_shape, blocks, repeats, jax.random.key(0)),
+                           markdown))
   return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,55 @@ def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
 def expand_mask(mask: Array | None, x: Array) -> Array | None:
   """`(..., T)` step mask as `x`'s shape `(..., T, H)`, or None."""
   return None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
+
+
+def run_layer(layer: Any, x: Array, *, reset: Array | None, state: Any, single_step: bool,
+              return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+  """`(state, y)` of an SSM layer (linen or NNX) on one step, or on a sequence from `state`.
+
+  The state is None on a sequence without `state` and `return_state`.
+  """
+  if single_step:
+    return layer.step(state, x, reset)
+  if state is None and not return_state:
+    # Only asked for when used, so any layer with the basic contract fits the stateless path.
+    return None, layer(x, reset, mode=mode)
+  y, state = layer(x, reset, mode=mode, initial_state=state, return_state=True)
+  return state, y
+
+
+def residual(x: Array, mask: Array | None, ssm: Callable[[Array], tuple[Any, Array]], *,
+             norm: Callable[[Array], Array], dropout: Callable[[Array], Array],
+             value: Callable[[Array], Array] | None, gate: Callable[[Array], Array] | None,
+             prenorm: bool) -> tuple[Any, Array]:
+  """The residual block from its parts, as both front ends (linen and NNX) compose it.
+
+  y = x + dropout(glu(dropout(gelu(ssm(norm(x)))))), the norm applied to the sum instead when
+  not `prenorm`; glu(u) = value(u) * sigmoid(gate(u)) with a `value` ("glu"),
+  u * sigmoid(gate(u)) with only a `gate` ("half_glu"), and no GLU without either ("gelu").
+
+  Args:
+    x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
+    mask: optional `x.shape[:-1]` booleans, True on real steps: the SSM sees zeros elsewhere.
+    ssm: the SSM layer, `ssm(u) -> (state, y)` (see `run_layer`).
+    norm: the normalisation.
+    dropout: the dropout (the identity at inference).
+    value: the GLU's value projection, or None.
+    gate: the GLU's gate projection, or None.
+    prenorm: normalise the input (True) or the residual sum (False).
+
+  Returns:
+    `(state, y)`: the SSM's state and the outputs, of `x`'s shape and dtype.
+  """
+  y = norm(x) if prenorm else x
+  if mask is not None:
+    y = jnp.where(mask[..., None], y, jnp.zeros_like(y))
+  state, y = ssm(y)
+  y = dropout(jax.nn.gelu(y))
+  if gate is not None:
+    y = dropout((y if value is None else value(y)) * jax.nn.sigmoid(gate(y)))
+  y = x + y.astype(x.dtype)
+  return state, y if prenorm else norm(y)
 
 
 class Norm(nn.Module):
@@ -81,26 +131,15 @@ class SSMBlock(nn.Module):
     """The block on one step, or on a sequence (from `state` unless None), and the SSM's state."""
     check_choice(self.activation, ACTIVATIONS, "activation")
     norm = Norm(self.norm, name="norm")
-    ssm = self.layer(name="ssm")
-    y = norm(x, mask, train=train) if self.prenorm else x
-    if mask is not None:
-      y = jnp.where(mask[..., None], y, jnp.zeros_like(y))
-    if single_step:
-      state, y = ssm.step(state, y, reset)
-    elif state is None and not return_state:
-      y = ssm(y, reset, mode=mode)
-    else:
-      # Only asked for when used, so any layer with the basic contract fits the stateless path.
-      y, state = ssm(y, reset, mode=mode, initial_state=state, return_state=True)
-    drop = nn.Dropout(self.dropout_rate, deterministic=not train)
-    y = drop(nn.gelu(y))
-    if self.activation == "glu":
-      y = drop(nn.Dense(x.shape[-1], name="glu_value")(y)
-               * nn.sigmoid(nn.Dense(x.shape[-1], name="glu_gate")(y)))
-    elif self.activation == "half_glu":
-      y = drop(y * nn.sigmoid(nn.Dense(x.shape[-1], name="glu_gate")(y)))
-    y = x + y.astype(x.dtype)
-    return state, y if self.prenorm else norm(y, mask, train=train)
+    ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
+                            single_step=single_step, return_state=return_state, mode=mode)
+    width = x.shape[-1]
+    return residual(
+        x, mask, ssm, norm=lambda u: norm(u, mask, train=train),
+        dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
+        value=nn.Dense(width, name="glu_value") if self.activation == "glu" else None,
+        gate=nn.Dense(width, name="glu_gate") if self.activation != "gelu" else None,
+        prenorm=self.prenorm)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",

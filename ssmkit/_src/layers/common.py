@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,18 +36,55 @@ class ParameterGroups(NamedTuple):
 class ParamSpec(NamedTuple):
   """One parameter of a layer, as both front ends (linen and NNX) create it.
 
+  A layer lists its parameters in order in `param_specs(cfg, features) -> dict[str, ParamSpec]`,
+  keyed by name. A parameter whose start depends on others (LRU's gamma normalisation on its
+  eigenvalues) names them in `inputs`: they come earlier in the dict, and `init` receives their
+  values after its usual arguments.
+
   Attributes:
     shape: the parameter's shape.
-    init: `init(key, shape, dtype) -> Array`, a `jax.nn.initializers` initializer.
+    init: `init(key, shape, dtype, *inputs) -> Array`; without `inputs`, a
+      `jax.nn.initializers` initializer.
+    inputs: names of earlier parameters whose values `init` receives, in this order.
   """
 
   shape: tuple[int, ...]
   init: Callable[..., Array]
+  inputs: tuple[str, ...] = ()
+
+
+def create_params(specs: dict[str, ParamSpec], dtype: Any,
+                  create: Callable[[str, Callable[..., Array], tuple[int, ...], Any], Array]
+                  ) -> dict[str, Array]:
+  """Creates the parameters `specs` lists, in order, by name.
+
+  Args:
+    specs: a layer's `param_specs`.
+    dtype: the parameters' dtype.
+    create: `create(name, init, shape, dtype) -> Array` makes one parameter from an
+      `init(key, shape, dtype)` (the front end supplies the key, or an existing value); the
+      inputs of a spec are already bound into its `init`.
+
+  Returns:
+    The parameters by name.
+  """
+  params = {}
+  for name, spec in specs.items():
+    init = spec.init
+    if spec.inputs:
+      init = functools.partial(_with_inputs, spec.init, tuple(params[i] for i in spec.inputs))
+    params[name] = create(name, init, spec.shape, dtype)
+  return params
+
+
+def _with_inputs(init: Callable[..., Array], inputs: tuple[Array, ...], key: Array, shape, dtype
+                 ) -> Array:
+  return init(key, shape, dtype, *inputs)
 
 
 def linen_params(module: nn.Module, specs: dict[str, ParamSpec], dtype: Any) -> dict[str, Array]:
   """Declares `specs` as parameters of the linen `module` (inside a compact method), by name."""
-  return {name: module.param(name, spec.init, spec.shape, dtype) for name, spec in specs.items()}
+  return create_params(specs, dtype, module.param)
 
 
 def constant(value: np.ndarray) -> nn.initializers.Initializer:

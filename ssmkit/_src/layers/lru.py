@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -42,6 +43,84 @@ def eigenvalues(nu_log: Array, theta_log: Array) -> Array:
   return jnp.exp(-jnp.exp(nu_log) + 1j * jnp.exp(theta_log))
 
 
+def gamma_log_init(key: Array, shape, dtype, nu_log: Array, theta_log: Array) -> Array:
+  """log sqrt(1 - |lambda|^2) of the initial eigenvalues: the input scale that keeps the state's
+  variance that of the input."""
+  del key, shape, dtype
+  return jnp.log(jnp.sqrt(1 - jnp.abs(eigenvalues(nu_log, theta_log)) ** 2))
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
+  """The LRU's parameters for inputs of width `features` H, in `cfg`'s configuration.
+
+  Args:
+    cfg: any object with the attributes of `LRU` (d_state, r_min, r_max, max_phase).
+    features: the input width H.
+
+  Returns:
+    nu_log, theta_log, gamma_log `(N,)`; B_re, B_im `(N, H)`; C_re, C_im `(H, N)`; D `(H,)`.
+  """
+  if not 0 <= cfg.r_min <= cfg.r_max < 1:
+    raise ValueError(f"need 0 <= r_min <= r_max < 1, got r_min={cfg.r_min}, r_max={cfg.r_max}.")
+  n = cfg.d_state
+  b = common.ParamSpec((n, features), nn.initializers.normal(1 / math.sqrt(2 * features)))
+  c = common.ParamSpec((features, n), nn.initializers.normal(1 / math.sqrt(n)))
+  return {
+      "nu_log": common.ParamSpec((n,), nu_log_init(cfg.r_min, cfg.r_max)),
+      "theta_log": common.ParamSpec((n,), theta_log_init(cfg.max_phase)),
+      "gamma_log": common.ParamSpec((n,), gamma_log_init, inputs=("nu_log", "theta_log")),
+      "B_re": b,
+      "B_im": b,
+      "C_re": c,
+      "C_im": c,
+      "D": common.ParamSpec((features,), nn.initializers.normal(1.0)),
+  }
+
+
+def _input(params: dict[str, Array], x: Array) -> Array:
+  """gamma * B x, complex `(..., N)`."""
+  gamma = jnp.exp(params["gamma_log"])[:, None]
+  # Two real products instead of one complex one: about 1.5x faster.
+  return jax.lax.complex(x @ (params["B_re"] * gamma).T, x @ (params["B_im"] * gamma).T)
+
+
+def _output(params: dict[str, Array], h: Array, x: Array) -> Array:
+  """Re(C h) + D x."""
+  return h.real @ params["C_re"].T - h.imag @ params["C_im"].T + x * common.leading_ones(
+      params["D"], x.ndim)
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
+             mode: str | Mode = "auto", *, initial_state: Array | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, Array]:
+  """The LRU over a whole sequence: `(y, final_state)` (see `LRU.__call__` for the arguments)."""
+  x, reset = common.check_sequence(x, reset)
+  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
+  lam = eigenvalues(params["nu_log"], params["theta_log"])
+  xf = x.astype(accumulation_dtype(x.dtype))
+  h, last = linear_recurrence(lam, _input(params, xf), initial_state, reset=reset, axis=-2,
+                              mode=mode, return_final_state=True, axis_name=axis_name,
+                              overwrite_b=True)
+  return _output(params, h, xf).astype(x.dtype), last
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
+  """The zero state `(*batch, d_state)` complex64 for inputs `(*batch, H)` of one step."""
+  return jnp.zeros((*tuple(input_shape)[:-1], cfg.d_state), jnp.complex64)
+
+
+def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Array | None = None
+         ) -> tuple[Array, Array]:
+  """One LRU step: `(state, y_t)` (see `LRU.step`)."""
+  del cfg
+  x_t, reset = common.check_step(x_t, reset)
+  state = common.clear(state, reset)
+  lam = eigenvalues(params["nu_log"], params["theta_log"])
+  xf = x_t.astype(accumulation_dtype(x_t.dtype))
+  state = common.leading_ones(lam, state.ndim) * state + _input(params, xf)
+  return state, _output(params, state, xf).astype(x_t.dtype)
+
+
 class LRU(nn.Module):
   """Linear Recurrent Unit: h_t = lambda * h_{t-1} + gamma * B x_t, y_t = Re(C h_t) + D * x_t.
 
@@ -72,34 +151,8 @@ class LRU(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def _parameters(self, features: int) -> tuple[Array, Array, Array, Array, Array, Array]:
-    """(lambda, B_re, B_im (gamma-scaled, `(N, H)`), C_re, C_im `(H, N)`, D `(H,)`)."""
-    if not 0 <= self.r_min <= self.r_max < 1:
-      raise ValueError(f"need 0 <= r_min <= r_max < 1, got r_min={self.r_min}, r_max={self.r_max}.")
-    n, dtype = self.d_state, self.param_dtype
-    nu_log = self.param("nu_log", nu_log_init(self.r_min, self.r_max), (n,), dtype)
-    theta_log = self.param("theta_log", theta_log_init(self.max_phase), (n,), dtype)
-    lam = eigenvalues(nu_log, theta_log)
-    gamma_log = self.param(
-        "gamma_log",
-        lambda _: jnp.log(jnp.sqrt(1 - jnp.abs(eigenvalues(nu_log, theta_log)) ** 2)),
-    )
-    b_init = nn.initializers.normal(1 / math.sqrt(2 * features))
-    c_init = nn.initializers.normal(1 / math.sqrt(n))
-    gamma = jnp.exp(gamma_log)[:, None]
-    b_re = self.param("B_re", b_init, (n, features), dtype) * gamma
-    b_im = self.param("B_im", b_init, (n, features), dtype) * gamma
-    c_re = self.param("C_re", c_init, (features, n), dtype)
-    c_im = self.param("C_im", c_init, (features, n), dtype)
-    d = self.param("D", nn.initializers.normal(1.0), (features,), dtype)
-    return lam, b_re, b_im, c_re, c_im, d
-
-  def _input(self, x: Array, b_re: Array, b_im: Array) -> Array:
-    # Two real products instead of one complex one: about 1.5x faster.
-    return jax.lax.complex(x @ b_re.T, x @ b_im.T)
-
-  def _output(self, h: Array, x: Array, c_re: Array, c_im: Array, d: Array) -> Array:
-    return h.real @ c_re.T - h.imag @ c_im.T + x * common.leading_ones(d, x.ndim)
+  def _params(self, features: int) -> dict[str, Array]:
+    return common.linen_params(self, param_specs(self, features), self.param_dtype)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Array | None = None, return_state: bool = False,
@@ -124,19 +177,13 @@ class LRU(nn.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
-    lam, b_re, b_im, c_re, c_im, d = self._parameters(x.shape[-1])
-    xf = x.astype(accumulation_dtype(x.dtype))
-    inputs = self._input(xf, b_re, b_im)
-    h, last = linear_recurrence(lam, inputs, initial_state, reset=reset, axis=-2, mode=mode,
-                                return_final_state=True, axis_name=axis_name,
-                                overwrite_b=True)
-    y = self._output(h, xf, c_re, c_im, d).astype(x.dtype)
+    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
+                       initial_state=initial_state, axis_name=axis_name)
     return (y, last) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, d_state)` complex64 for inputs `(*batch, H)` of one step."""
-    return jnp.zeros((*tuple(input_shape)[:-1], self.d_state), jnp.complex64)
+    return initialize_state(self, input_shape)
 
   def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
     """Advances one step.
@@ -150,8 +197,4 @@ class LRU(nn.Module):
       `(state, y_t)`: the new state and the `(*batch, H)` output.
     """
     x_t, reset = common.check_step(x_t, reset)
-    lam, b_re, b_im, c_re, c_im, d = self._parameters(x_t.shape[-1])
-    state = common.clear(state, reset)
-    xf = x_t.astype(accumulation_dtype(x_t.dtype))
-    state = common.leading_ones(lam, state.ndim) * state + self._input(xf, b_re, b_im)
-    return state, self._output(state, xf, c_re, c_im, d).astype(x_t.dtype)
+    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)

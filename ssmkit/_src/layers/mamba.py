@@ -5,7 +5,7 @@ short causal convolution and a SiLU gate."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -31,18 +31,6 @@ class MambaState(NamedTuple):
   ssm: Array
 
 
-class _Params(NamedTuple):
-  w_in: Array
-  conv_kernel: Array
-  conv_bias: Array
-  w_x: Array
-  w_dt: Array
-  b_dt: Array
-  a: Array
-  d: Array
-  w_out: Array
-
-
 def _uniform(bound: float) -> nn.initializers.Initializer:
   """U(-bound, bound): with bound 1 / sqrt(fan_in), PyTorch's default for the paper's layers."""
 
@@ -61,6 +49,143 @@ def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4) -> nn.initia
     return dt + jnp.log(-jnp.expm1(-dt))  # the inverse of softplus
 
   return init
+
+
+def _a_log_init(key: Array, shape, dtype=jnp.float32) -> Array:
+  """S4D-Real: A_n = -(n + 1) for every channel, stored as log(n + 1)."""
+  del key
+  return jnp.log(jnp.broadcast_to(jnp.arange(1, shape[-1] + 1, dtype=dtype), shape))
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
+  """The Mamba block's parameters for inputs of width `features` H, in `cfg`'s configuration.
+
+  Args:
+    cfg: any object with the attributes of `Mamba` (d_state, d_conv, expand, dt_rank,
+      dt_min, dt_max).
+    features: the input width H.
+
+  Returns:
+    in_proj `(H, 2 D)` for D = expand * H; conv_kernel `(d_conv, D)`; conv_bias `(D,)`;
+    x_proj `(D, R + 2 N)` for the step rank R; dt_proj `(R, D)`; dt_bias `(D,)`; A_log
+    `(D, N)`; D `(D,)`; out_proj `(D, H)`.
+  """
+  inner, n, rank = cfg.expand * features, cfg.d_state, cfg.dt_rank or math.ceil(features / 16)
+  return {
+      "in_proj": common.ParamSpec((features, 2 * inner), _uniform(features**-0.5)),
+      "conv_kernel": common.ParamSpec((cfg.d_conv, inner), _uniform(cfg.d_conv**-0.5)),
+      "conv_bias": common.ParamSpec((inner,), _uniform(cfg.d_conv**-0.5)),
+      "x_proj": common.ParamSpec((inner, rank + 2 * n), _uniform(inner**-0.5)),
+      "dt_proj": common.ParamSpec((rank, inner), _uniform(rank**-0.5)),
+      "dt_bias": common.ParamSpec((inner,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
+      "A_log": common.ParamSpec((inner, n), _a_log_init),
+      "D": common.ParamSpec((inner,), nn.initializers.ones),
+      "out_proj": common.ParamSpec((inner, features), _uniform(inner**-0.5)),
+  }
+
+
+def _project(params: dict[str, Array], x: Array) -> tuple[Array, Array]:
+  """The in-projection's two halves: the SSM branch v and the gate z, `(..., d_inner)` each."""
+  inner = params["D"].shape[0]
+  w_in = params["in_proj"]
+  return x @ w_in[:, :inner], x @ w_in[:, inner:]
+
+
+def _selective(cfg: Any, params: dict[str, Array], u: Array) -> tuple[Array, Array, Array]:
+  """(dt `(..., d_inner)`, B `(..., N)`, C `(..., N)`) from the activated input u."""
+  rank = params["dt_proj"].shape[0]
+  dbc = u @ params["x_proj"]
+  dt = jax.nn.softplus(dbc[..., :rank] @ params["dt_proj"]
+                       + common.leading_ones(params["dt_bias"], u.ndim))
+  return dt, dbc[..., rank : rank + cfg.d_state], dbc[..., rank + cfg.d_state :]
+
+
+def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array) -> Array:
+  y = y + u * common.leading_ones(params["D"], u.ndim)
+  return (y * jax.nn.silu(z)) @ params["out_proj"]
+
+
+def _convolve(cfg: Any, params: dict[str, Array], v: Array, window: Array, reset: Array | None
+              ) -> tuple[Array, Array]:
+  """Causal depthwise convolution over time (axis -2) that does not reach across resets.
+
+  Args:
+    cfg: the configuration (`d_conv`).
+    params: the parameters.
+    v: `(..., T, d_inner)` inputs.
+    window: `(..., d_conv - 1, d_inner)` inputs before the first step.
+    reset: optional `(..., T)` episode starts.
+
+  Returns:
+    The `(..., T, d_inner)` convolution and the window after the last step, as `step` keeps it.
+  """
+  length, past = v.shape[-2], cfg.d_conv - 1
+  extended = jnp.concatenate([window.astype(v.dtype), v], axis=-2)
+  # Episode number of every extended step; the window belongs to the episode before any reset.
+  episode = None
+  if reset is not None:
+    episode = jnp.concatenate(
+        [jnp.zeros((*reset.shape[:-1], past), jnp.int32), jnp.cumsum(reset, axis=-1, dtype=jnp.int32)],
+        axis=-1,
+    )
+  out = common.leading_ones(params["conv_bias"], v.ndim)
+  for lag in range(cfg.d_conv):
+    earlier = extended[..., past - lag : past - lag + length, :]
+    if episode is not None:
+      same = episode[..., past - lag : past - lag + length] == episode[..., past:]
+      earlier = jnp.where(same[..., None], earlier, jnp.zeros_like(earlier))
+    out = out + earlier * common.leading_ones(params["conv_kernel"][past - lag], v.ndim)
+  window = extended[..., length:, :]
+  if episode is not None:
+    current = episode[..., length:] == episode[..., -1:]
+    window = jnp.where(current[..., None], window, jnp.zeros_like(window))
+  return out, window.astype(jnp.float32)
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
+             mode: str | Mode = "auto", *, initial_state: MambaState | None = None
+             ) -> tuple[Array, MambaState]:
+  """The Mamba block over a whole sequence: `(y, final_state)` (see `Mamba.__call__`)."""
+  x, reset = common.check_sequence(x, reset)
+  zero = initialize_state(cfg, x.shape[:-2] + x.shape[-1:])
+  common.check_initial_state(initial_state, zero)
+  xf = x.astype(accumulation_dtype(x.dtype))
+  v, z = _project(params, xf)
+  conv, window = _convolve(cfg, params, v, (initial_state or zero).conv, reset)
+  u = jax.nn.silu(conv)
+  dt, b, c = _selective(cfg, params, u)
+  h0 = None if initial_state is None else initial_state.ssm
+  y, last = selective_scan(u, dt, -jnp.exp(params["A_log"]), b, c, h0=h0, reset=reset, mode=mode)
+  return _gate_and_project(params, y, u, z).astype(x.dtype), MambaState(window, last)
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> MambaState:
+  """Zero convolution window and SSM state for inputs `(*batch, H)` of one step."""
+  batch, inner = tuple(input_shape)[:-1], cfg.expand * input_shape[-1]
+  return MambaState(
+      jnp.zeros((*batch, cfg.d_conv - 1, inner), jnp.float32),
+      jnp.zeros((*batch, inner, cfg.d_state), jnp.float32),
+  )
+
+
+def step(cfg: Any, params: dict[str, Array], state: MambaState, x_t: Array,
+         reset: Array | None = None) -> tuple[MambaState, Array]:
+  """One step of the Mamba block: `(state, y_t)` (see `Mamba.step`)."""
+  x_t, reset = common.check_step(x_t, reset)
+  conv, ssm = common.clear(state, reset)
+  xf = x_t.astype(accumulation_dtype(x_t.dtype))
+  v, z = _project(params, xf)
+  window = jnp.concatenate([conv, v[..., None, :]], axis=-2)
+  kernel = common.leading_ones(params["conv_kernel"], window.ndim)
+  u = jax.nn.silu(jnp.sum(window * kernel, axis=-2)
+                  + common.leading_ones(params["conv_bias"], v.ndim))
+  dt, b, c = _selective(cfg, params, u)
+  a = -jnp.exp(params["A_log"])
+  ssm = jnp.exp(dt[..., None] * common.leading_ones(a, dt.ndim + 1)) * ssm + (
+      (dt * u)[..., None] * b[..., None, :]
+  )
+  y = jnp.einsum("...dn,...n->...d", ssm, c)
+  return MambaState(window[..., 1:, :], ssm), _gate_and_project(params, y, u, z).astype(x_t.dtype)
 
 
 class Mamba(nn.Module):
@@ -100,36 +225,8 @@ class Mamba(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def _parameters(self, features: int) -> _Params:
-    inner, n, dtype = self.expand * features, self.d_state, self.param_dtype
-    rank = self.dt_rank or math.ceil(features / 16)
-    w_in = self.param("in_proj", _uniform(features**-0.5), (features, 2 * inner), dtype)
-    conv_kernel = self.param("conv_kernel", _uniform(self.d_conv**-0.5), (self.d_conv, inner), dtype)
-    conv_bias = self.param("conv_bias", _uniform(self.d_conv**-0.5), (inner,), dtype)
-    w_x = self.param("x_proj", _uniform(inner**-0.5), (inner, rank + 2 * n), dtype)
-    w_dt = self.param("dt_proj", _uniform(rank**-0.5), (rank, inner), dtype)
-    b_dt = self.param("dt_bias", dt_bias_init(self.dt_min, self.dt_max), (inner,), dtype)
-    # S4D-Real: A_n = -(n + 1) for every channel.
-    a_log = self.param(
-        "A_log",
-        lambda _, shape, dtype: jnp.log(jnp.broadcast_to(jnp.arange(1, n + 1, dtype=dtype), shape)),
-        (inner, n),
-        dtype,
-    )
-    d = self.param("D", nn.initializers.ones, (inner,), dtype)
-    w_out = self.param("out_proj", _uniform(inner**-0.5), (inner, features), dtype)
-    return _Params(w_in, conv_kernel, conv_bias, w_x, w_dt, b_dt, -jnp.exp(a_log), d, w_out)
-
-  def _selective(self, p: _Params, u: Array) -> tuple[Array, Array, Array]:
-    """(dt `(..., d_inner)`, B `(..., N)`, C `(..., N)`) from the activated input u."""
-    rank = p.w_dt.shape[0]
-    dbc = u @ p.w_x
-    dt = jax.nn.softplus(dbc[..., :rank] @ p.w_dt + common.leading_ones(p.b_dt, u.ndim))
-    return dt, dbc[..., rank : rank + self.d_state], dbc[..., rank + self.d_state :]
-
-  def _gate_and_project(self, p: _Params, y: Array, u: Array, z: Array) -> Array:
-    y = y + u * common.leading_ones(p.d, u.ndim)
-    return (y * jax.nn.silu(z)) @ p.w_out
+  def _params(self, features: int) -> dict[str, Array]:
+    return common.linen_params(self, param_specs(self, features), self.param_dtype)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: MambaState | None = None, return_state: bool = False
@@ -154,61 +251,13 @@ class Mamba(nn.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    zero = self.initialize_state(x.shape[:-2] + x.shape[-1:])
-    common.check_initial_state(initial_state, zero)
-    p = self._parameters(x.shape[-1])
-    xf = x.astype(accumulation_dtype(x.dtype))
-    inner = p.d.shape[0]
-    v, z = xf @ p.w_in[:, :inner], xf @ p.w_in[:, inner:]
-    conv, window = self._convolve(p, v, (initial_state or zero).conv, reset)
-    u = jax.nn.silu(conv)
-    dt, b, c = self._selective(p, u)
-    h0 = None if initial_state is None else initial_state.ssm
-    y, last = selective_scan(u, dt, p.a, b, c, h0=h0, reset=reset, mode=mode)
-    y = self._gate_and_project(p, y, u, z).astype(x.dtype)
-    return (y, MambaState(window, last)) if return_state else y
-
-  def _convolve(self, p: _Params, v: Array, window: Array, reset: Array | None) -> tuple[Array, Array]:
-    """Causal depthwise convolution over time (axis -2) that does not reach across resets.
-
-    Args:
-      p: the parameters.
-      v: `(..., T, d_inner)` inputs.
-      window: `(..., d_conv - 1, d_inner)` inputs before the first step.
-      reset: optional `(..., T)` episode starts.
-
-    Returns:
-      The `(..., T, d_inner)` convolution and the window after the last step, as `step` keeps it.
-    """
-    length, past = v.shape[-2], self.d_conv - 1
-    extended = jnp.concatenate([window.astype(v.dtype), v], axis=-2)
-    # Episode number of every extended step; the window belongs to the episode before any reset.
-    episode = None
-    if reset is not None:
-      episode = jnp.concatenate(
-          [jnp.zeros((*reset.shape[:-1], past), jnp.int32), jnp.cumsum(reset, axis=-1, dtype=jnp.int32)],
-          axis=-1,
-      )
-    out = common.leading_ones(p.conv_bias, v.ndim)
-    for lag in range(self.d_conv):
-      earlier = extended[..., past - lag : past - lag + length, :]
-      if episode is not None:
-        same = episode[..., past - lag : past - lag + length] == episode[..., past:]
-        earlier = jnp.where(same[..., None], earlier, jnp.zeros_like(earlier))
-      out = out + earlier * common.leading_ones(p.conv_kernel[past - lag], v.ndim)
-    window = extended[..., length:, :]
-    if episode is not None:
-      current = episode[..., length:] == episode[..., -1:]
-      window = jnp.where(current[..., None], window, jnp.zeros_like(window))
-    return out, window.astype(jnp.float32)
+    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
+                       initial_state=initial_state)
+    return (y, last) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> MambaState:
     """Zero convolution window and SSM state for inputs `(*batch, H)` of one step."""
-    batch, inner = tuple(input_shape)[:-1], self.expand * input_shape[-1]
-    return MambaState(
-        jnp.zeros((*batch, self.d_conv - 1, inner), jnp.float32),
-        jnp.zeros((*batch, inner, self.d_state), jnp.float32),
-    )
+    return initialize_state(self, input_shape)
 
   def step(
       self, state: MambaState, x_t: Array, reset: Array | None = None
@@ -224,17 +273,4 @@ class Mamba(nn.Module):
       `(state, y_t)`: the new state and the `(*batch, H)` output.
     """
     x_t, reset = common.check_step(x_t, reset)
-    p = self._parameters(x_t.shape[-1])
-    conv, ssm = common.clear(state, reset)
-    xf = x_t.astype(accumulation_dtype(x_t.dtype))
-    inner = p.d.shape[0]
-    v, z = xf @ p.w_in[:, :inner], xf @ p.w_in[:, inner:]
-    window = jnp.concatenate([conv, v[..., None, :]], axis=-2)
-    kernel = common.leading_ones(p.conv_kernel, window.ndim)
-    u = jax.nn.silu(jnp.sum(window * kernel, axis=-2) + common.leading_ones(p.conv_bias, v.ndim))
-    dt, b, c = self._selective(p, u)
-    ssm = jnp.exp(dt[..., None] * common.leading_ones(p.a, dt.ndim + 1)) * ssm + (
-        (dt * u)[..., None] * b[..., None, :]
-    )
-    y = jnp.einsum("...dn,...n->...d", ssm, c)
-    return MambaState(window[..., 1:, :], ssm), self._gate_and_project(p, y, u, z).astype(x_t.dtype)
+    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)

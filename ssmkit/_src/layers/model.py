@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -111,17 +112,8 @@ class SequenceModel(nn.Module):
     if self.prenorm:
       x = Norm(self.norm, name="final_norm")(x, mask, train=train)
     if not single_step:
-      x = _pool(x, mask, self.pooling)
+      x = pool(x, mask, self.pooling)
     return state, nn.Dense(self.num_outputs, name="decoder")(x)
-
-  def _check_inputs(self, x: Array, batch_rank: int, what: str) -> Array:
-    x = jnp.asarray(x)
-    if self.vocab_size is None:
-      return x
-    if not jnp.issubdtype(x.dtype, jnp.integer) or x.ndim < batch_rank:
-      raise ValueError(
-          f"`{what}` must be integer tokens with `vocab_size` set, got {x.dtype} {x.shape}.")
-    return x
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
@@ -149,13 +141,7 @@ class SequenceModel(nn.Module):
       `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
       `(outputs, state)`.
     """
-    x = self._check_inputs(x, 1, "x")
-    steps = x.shape if self.vocab_size is not None else x.shape[:-1]
-    if self.vocab_size is None:
-      x, reset = common.check_sequence(x, reset)
-    elif reset is not None:
-      common.check_sequence(jnp.zeros((*steps, 1)), reset)
-    mask = check_mask(mask, jnp.zeros((*steps, 1), bool))
+    x, mask, reset = check_inputs(self, x, mask, reset)
     state, y = self._forward(x, mask, reset, initial_state, single_step=False,
                              return_state=return_state, mode=mode, train=train)
     return (y, state) if return_state else y
@@ -179,18 +165,65 @@ class SequenceModel(nn.Module):
     Returns:
       `(state, y_t)` with `y_t` of shape `(*batch, num_outputs)`.
     """
-    if self.pooling != "none":
-      raise ValueError(f"`step` needs pooling='none', got pooling={self.pooling!r}.")
-    x_t = self._check_inputs(x_t, 0, "x_t")
-    if self.vocab_size is None:
-      x_t, reset = common.check_step(x_t, reset)
-    elif reset is not None:
-      common.check_step(jnp.zeros((*x_t.shape, 1)), reset)
+    x_t, reset = check_step_inputs(self, x_t, reset)
     return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
                          train=False)
 
 
-def _pool(x: Array, mask: Array | None, pooling: str) -> Array:
+def _check_tokens(model: Any, x: Array, batch_rank: int, what: str) -> Array:
+  x = jnp.asarray(x)
+  if model.vocab_size is None:
+    return x
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.ndim < batch_rank:
+    raise ValueError(
+        f"`{what}` must be integer tokens with `vocab_size` set, got {x.dtype} {x.shape}.")
+  return x
+
+
+def check_inputs(model: Any, x: Array, mask: Array | None, reset: Array | None
+                 ) -> tuple[Array, Array | None, Array | None]:
+  """Checks the whole-sequence inputs of a `SequenceModel` of either front end.
+
+  Args:
+    model: a linen or NNX `SequenceModel` (its `vocab_size` is read).
+    x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
+    mask: optional `(..., T)` booleans (batch axes of size 1 broadcast).
+    reset: optional `(..., T)` booleans.
+
+  Returns:
+    `(x, mask, reset)` as arrays, `mask` broadcast to `(..., T)`.
+  """
+  x = _check_tokens(model, x, 1, "x")
+  steps = x.shape if model.vocab_size is not None else x.shape[:-1]
+  if model.vocab_size is None:
+    x, reset = common.check_sequence(x, reset)
+  elif reset is not None:
+    common.check_sequence(jnp.zeros((*steps, 1)), reset)
+  return x, check_mask(mask, jnp.zeros((*steps, 1), bool)), reset
+
+
+def check_step_inputs(model: Any, x_t: Array, reset: Array | None) -> tuple[Array, Array | None]:
+  """Checks one step's inputs of a `SequenceModel` of either front end, and its pooling "none".
+
+  Args:
+    model: a linen or NNX `SequenceModel` (its `vocab_size` and `pooling` are read).
+    x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set.
+    reset: optional `(*batch,)` booleans.
+
+  Returns:
+    `(x_t, reset)` as arrays.
+  """
+  if model.pooling != "none":
+    raise ValueError(f"`step` needs pooling='none', got pooling={model.pooling!r}.")
+  x_t = _check_tokens(model, x_t, 0, "x_t")
+  if model.vocab_size is None:
+    x_t, reset = common.check_step(x_t, reset)
+  elif reset is not None:
+    common.check_step(jnp.zeros((*x_t.shape, 1)), reset)
+  return x_t, reset
+
+
+def pool(x: Array, mask: Array | None, pooling: str) -> Array:
   """Pools `(..., T, H)` over the real steps of `mask` (`(..., T)`, padding anywhere).
 
   A sequence without real steps pools to zeros.
@@ -271,6 +304,21 @@ def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int
   Returns:
     `(*batch, num_steps)` int32 generated tokens.
   """
+  arguments = generation_arguments(model, prompt, num_steps, rng=rng, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, eos_token=eos_token)
+  return _generate(model, variables, **arguments)
+
+
+def generation_arguments(model: Any, prompt: Array, num_steps: int, *, rng: Array | None,
+                         temperature: float | Array, top_k: int | None,
+                         top_p: float | Array | None, eos_token: int | Array | None
+                         ) -> dict[str, Any]:
+  """Checks the arguments of `generate` (either front end's) and returns them as `sample` takes them.
+
+  Raises:
+    ValueError: naming the argument that does not fit `model` (read: `vocab_size`, `pooling`,
+      `num_outputs`).
+  """
   if model.vocab_size is None or model.pooling != "none":
     raise ValueError("`model` must have `vocab_size` set and pooling='none' to generate tokens.")
   prompt = jnp.asarray(prompt)
@@ -291,9 +339,10 @@ def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int
     raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
   if eos_token is not None and _is_concrete(eos_token) and not 0 <= int(eos_token) < model.num_outputs:
     raise ValueError(f"`eos_token` must be a token in [0, {model.num_outputs}), got {eos_token}.")
-  return _generate(model, variables, prompt, int(num_steps), jax.random.key(0) if rng is None else rng,
-                   jnp.asarray(temperature, jnp.float32), None if top_k is None else int(top_k),
-                   top_p, eos_token)
+  return dict(prompt=prompt, num_steps=int(num_steps),
+              rng=jax.random.key(0) if rng is None else rng,
+              temperature=jnp.asarray(temperature, jnp.float32),
+              top_k=None if top_k is None else int(top_k), top_p=top_p, eos_token=eos_token)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_steps", "top_k"))
@@ -301,11 +350,31 @@ def _generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: in
               temperature: Array, top_k: int | None, top_p: Array | None,
               eos_token: Array | None) -> Array:
   """`generate` after its checks: one program per model, shapes and `top_k`."""
-  logits, state = model.apply(variables, prompt, return_state=True)
+  return sample(lambda tokens: model.apply(variables, tokens, return_state=True),
+                lambda state, token: model.apply(variables, state, token, method="step"),
+                prompt, num_steps, rng, temperature, top_k, top_p, eos_token)
+
+
+def sample(prefill: Callable[[Array], tuple[Array, Any]],
+           step: Callable[[Any, Array], tuple[Any, Array]], prompt: Array, num_steps: int,
+           rng: Array, temperature: Array, top_k: int | None, top_p: Array | None,
+           eos_token: Array | None) -> Array:
+  """The continuation of `generate` from a model's two calls, traced inside a front end's jit.
+
+  Args:
+    prefill: `prefill(prompt) -> (logits (*batch, P, V), state)`, the model over the prompt.
+    step: `step(state, token) -> (state, logits (*batch, V))`, one step of the model.
+    prompt, num_steps, rng, temperature, top_k, top_p, eos_token: as `generation_arguments`
+      returns them.
+
+  Returns:
+    `(*batch, num_steps)` int32 generated tokens.
+  """
+  logits, state = prefill(prompt)
   sampling = temperature > 0
   scale = jnp.where(sampling, temperature, 1.0)
 
-  def sample(carry, key):
+  def draw(carry, key):
     state, logits, done = carry
     greedy = jnp.argmax(logits, axis=-1)
     filtered = _filter_logits(logits / scale.astype(logits.dtype), top_k, top_p)
@@ -314,10 +383,10 @@ def _generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: in
     if eos_token is not None:
       token = jnp.where(done, eos_token, token)
       done = done | (token == eos_token)
-    state, logits = model.apply(variables, state, token, method="step")
+    state, logits = step(state, token)
     return (state, logits, done), token
 
   done = jnp.zeros(prompt.shape[:-1], bool)
   keys = jax.random.split(rng, num_steps)
-  _, generated = jax.lax.scan(sample, (state, logits[..., -1, :], done), keys)
+  _, generated = jax.lax.scan(draw, (state, logits[..., -1, :], done), keys)
   return jnp.moveaxis(generated, 0, -1)

@@ -4,6 +4,8 @@ with its Vandermonde kernel or as a recurrence."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,156 @@ from ssmkit._src.modes import Mode, parse_mode
 Array = jax.Array
 
 CONVOLUTION = "convolution"
+
+
+def _initial_modes(cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+  """The initial A and B `(d_state / 2,)` complex of `cfg.a_init`."""
+  if cfg.d_state % 2:
+    raise ValueError(f"`d_state` must be a positive even int, got {cfg.d_state!r}.")
+  modes = cfg.d_state // 2
+  if cfg.a_init == "legs":
+    return hippo.s4d_legs(modes)
+  if cfg.a_init == "lin":
+    return hippo.s4d_lin(modes), np.ones(modes, complex)
+  raise ValueError(f"`a_init` must be 'legs' or 'lin', got {cfg.a_init!r}.")
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
+  """S4D's parameters for inputs of width `features` H, in `cfg`'s configuration.
+
+  Args:
+    cfg: any object with the attributes of `S4D` (d_state, a_init, dt_min, dt_max,
+      bidirectional).
+    features: the input width H.
+
+  Returns:
+    log_dt `(H,)`; log_a_real, a_imag, B_re, B_im `(H, N/2)`; C_re, C_im
+    `(directions, H, N/2)`; D `(H,)`.
+  """
+  a, b = _initial_modes(cfg)
+  discretization.by_name(cfg.discretization)  # an unknown name is refused here, on creation
+  shape = (features, a.shape[0])
+  directions = 2 if cfg.bidirectional else 1
+  # Complex C with unit variance: each part N(0, 1/2), as in the paper's code.
+  c = common.ParamSpec((directions, *shape), nn.initializers.normal(np.sqrt(0.5)))
+  return {
+      "log_dt": common.ParamSpec((features,),
+                                 discretization.log_step_init(cfg.dt_min, cfg.dt_max)),
+      "log_a_real": common.ParamSpec(shape, common.constant(np.log(-a.real))),
+      "a_imag": common.ParamSpec(shape, common.constant(a.imag)),
+      "B_re": common.ParamSpec(shape, common.constant(b.real)),
+      "B_im": common.ParamSpec(shape, common.constant(b.imag)),
+      "C_re": c,
+      "C_im": c,
+      "D": common.ParamSpec((features,), nn.initializers.normal(1.0)),
+  }
+
+
+def _system(cfg: Any, params: dict[str, Array]) -> tuple[Array, Array, Array]:
+  """(A_bar, B_bar `(H, N/2)` complex, C `(directions, H, N/2)` complex)."""
+  a = jax.lax.complex(-jnp.exp(params["log_a_real"]), params["a_imag"])
+  discretize = discretization.by_name(cfg.discretization)
+  a_bar, b_bar = discretize(a, jax.lax.complex(params["B_re"], params["B_im"]),
+                            jnp.exp(params["log_dt"])[:, None])
+  return a_bar, b_bar, jax.lax.complex(params["C_re"], params["C_im"])
+
+
+def kernel(cfg: Any, params: dict[str, Array], length: int) -> Array:
+  """The convolution kernel `(directions, length, H)`, float32."""
+  a_bar, b_bar, c = _system(cfg, params)
+  # Vandermonde: A_bar^l = exp(l log A_bar), one (H, N/2) x (N/2, L) product per direction.
+  powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
+  return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
+             mode: str | Mode = "auto", *, initial_state: Array | None = None,
+             return_state: bool = False) -> tuple[Array, Array | None]:
+  """S4D over a whole sequence: `(y, final_state)` (see `S4D.__call__` for the arguments).
+
+  The final state is None when the convolution runs: by `mode="convolution"`, or by "auto"
+  without `reset`, `initial_state` and `return_state` (True: the caller reads the state).
+  """
+  x, reset = common.check_sequence(x, reset)
+  stateful = initial_state is not None or return_state
+  if cfg.bidirectional and stateful:
+    raise ValueError("a bidirectional S4D has no state to start from or return: it reads the future.")
+  if mode == CONVOLUTION and (reset is not None or stateful):
+    raise ValueError(
+        "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
+    )
+  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
+  mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
+  if mode is Mode.AUTO and reset is None and not stateful:
+    mode = CONVOLUTION
+  xf = x.astype(accumulation_dtype(x.dtype))
+  last = None
+  if mode == CONVOLUTION:
+    y = _convolve(cfg, xf, kernel(cfg, params, x.shape[-2]))
+  else:
+    y, last = _recurrence(cfg, params, xf, reset, mode, initial_state)
+  y = (y + xf * common.leading_ones(params["D"], xf.ndim)).astype(x.dtype)
+  return y, last
+
+
+def _convolve(cfg: Any, x: Array, k: Array) -> Array:
+  length = x.shape[-2]
+  n = 2 * length  # zero padding: a linear, not circular, convolution
+
+  def causal(u: Array, kernel: Array) -> Array:
+    spectrum = jnp.fft.rfft(kernel, n, axis=-2)
+    product = jnp.fft.rfft(u, n, axis=-2) * common.leading_ones(spectrum, u.ndim)
+    return jnp.fft.irfft(product, n, axis=-2)[..., :length, :]
+
+  y = causal(x, k[0])
+  if cfg.bidirectional:
+    # Lag l >= 1 of the future takes kernel entry l - 1.
+    backward = jnp.flip(causal(jnp.flip(x, -2), k[1]), -2)
+    y = y + common.shift_back(backward, axis=-2)
+  return y
+
+
+def _recurrence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: Mode,
+                initial_state: Array | None) -> tuple[Array, Array]:
+  """Outputs without the skip term, and the forward state after the last step."""
+  a_bar, b_bar, c = _system(cfg, params)
+  inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
+  # The last recurrence to read `inputs` may write its states over them.
+  h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
+                              return_final_state=True, overwrite_b=not cfg.bidirectional)
+  y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
+  if cfg.bidirectional:
+    # Step t reads the backward state after step t + 1: none when an episode starts there.
+    after = None if reset is None else common.shift_back(reset, axis=-1)
+    h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode,
+                          overwrite_b=True)
+    h = common.shift_back(h, axis=-3)
+    if after is not None:
+      h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
+    y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
+  return y, last
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
+  """The zero state `(*batch, H, d_state / 2)` complex64 for inputs `(*batch, H)`."""
+  return jnp.zeros((*tuple(input_shape), cfg.d_state // 2), jnp.complex64)
+
+
+def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Array | None = None
+         ) -> tuple[Array, Array]:
+  """One step of a causal S4D: `(state, y_t)` (see `S4D.step`)."""
+  if cfg.bidirectional:
+    raise ValueError("a bidirectional S4D has no step mode: its output needs the future.")
+  x_t, reset = common.check_step(x_t, reset)
+  a_bar, b_bar, c = _system(cfg, params)
+  state = common.clear(state, reset)
+  xf = x_t.astype(accumulation_dtype(x_t.dtype))
+  state = common.leading_ones(a_bar, state.ndim) * state + xf[..., None] * common.leading_ones(
+      b_bar, state.ndim
+  )
+  y = 2 * jnp.einsum("...hn,hn->...h", state, c[0]).real + xf * common.leading_ones(
+      params["D"], xf.ndim)
+  return state, y.astype(x_t.dtype)
 
 
 class S4D(nn.Module):
@@ -57,45 +209,13 @@ class S4D(nn.Module):
     common.check_positive_int(self.d_state, "d_state")
     super().__post_init__()
 
-  def _initial_modes(self) -> tuple[np.ndarray, np.ndarray]:
-    if self.d_state % 2:
-      raise ValueError(f"`d_state` must be a positive even int, got {self.d_state!r}.")
-    modes = self.d_state // 2
-    if self.a_init == "legs":
-      return hippo.s4d_legs(modes)
-    if self.a_init == "lin":
-      return hippo.s4d_lin(modes), np.ones(modes, complex)
-    raise ValueError(f"`a_init` must be 'legs' or 'lin', got {self.a_init!r}.")
-
   @nn.compact
-  def _parameters(self, features: int) -> tuple[Array, Array, Array, Array]:
-    """(A_bar, B_bar `(H, N/2)` complex, C `(directions, H, N/2)` complex, D `(H,)`)."""
-    a, b = self._initial_modes()
-    shape, dtype = (features, a.shape[0]), self.param_dtype
-    log_dt = self.param(
-        "log_dt", discretization.log_step_init(self.dt_min, self.dt_max), (features,), dtype
-    )
-    a_re = self.param("log_a_real", common.constant(np.log(-a.real)), shape, dtype)
-    a_im = self.param("a_imag", common.constant(a.imag), shape, dtype)
-    b_re = self.param("B_re", common.constant(b.real), shape, dtype)
-    b_im = self.param("B_im", common.constant(b.imag), shape, dtype)
-    directions = 2 if self.bidirectional else 1
-    # Complex C with unit variance: each part N(0, 1/2), as in the paper's code.
-    c_init = nn.initializers.normal(np.sqrt(0.5))
-    c_re = self.param("C_re", c_init, (directions, *shape), dtype)
-    c_im = self.param("C_im", c_init, (directions, *shape), dtype)
-    d = self.param("D", nn.initializers.normal(1.0), (features,), dtype)
-    a = jax.lax.complex(-jnp.exp(a_re), a_im)
-    discretize = discretization.by_name(self.discretization)
-    a_bar, b_bar = discretize(a, jax.lax.complex(b_re, b_im), jnp.exp(log_dt)[:, None])
-    return a_bar, b_bar, jax.lax.complex(c_re, c_im), d
+  def _params(self, features: int) -> dict[str, Array]:
+    return common.linen_params(self, param_specs(self, features), self.param_dtype)
 
   def kernel(self, length: int, features: int) -> Array:
-    """The convolution kernel `(directions, length, H)`, float32."""
-    a_bar, b_bar, c, _ = self._parameters(features)
-    # Vandermonde: A_bar^l = exp(l log A_bar), one (H, N/2) x (N/2, L) product per direction.
-    powers = jnp.exp(jnp.log(a_bar)[..., None] * jnp.arange(length)[None, None])
-    return 2 * jnp.einsum("khn,hnl->klh", c * b_bar[None], powers).real
+    """The convolution kernel `(directions, length, H)` for inputs of width `features`, float32."""
+    return kernel(self, self._params(features), length)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Array | None = None, return_state: bool = False
@@ -116,67 +236,13 @@ class S4D(nn.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    stateful = initial_state is not None or return_state
-    if self.bidirectional and stateful:
-      raise ValueError("a bidirectional S4D has no state to start from or return: it reads the future.")
-    if mode == CONVOLUTION and (reset is not None or stateful):
-      raise ValueError(
-          "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
-      )
-    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
-    mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
-    if mode is Mode.AUTO and reset is None and not stateful:
-      mode = CONVOLUTION
-    length, features = x.shape[-2:]
-    xf = x.astype(accumulation_dtype(x.dtype))
-    _, _, _, d = self._parameters(features)
-    last = None
-    if mode == CONVOLUTION:
-      y = self._convolve(xf, self.kernel(length, features))
-    else:
-      y, last = self._recurrence(xf, reset, mode, initial_state)
-    y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
+                       initial_state=initial_state, return_state=return_state)
     return (y, last) if return_state else y
-
-  def _convolve(self, x: Array, k: Array) -> Array:
-    length = x.shape[-2]
-    n = 2 * length  # zero padding: a linear, not circular, convolution
-
-    def causal(u: Array, kernel: Array) -> Array:
-      spectrum = jnp.fft.rfft(kernel, n, axis=-2)
-      product = jnp.fft.rfft(u, n, axis=-2) * common.leading_ones(spectrum, u.ndim)
-      return jnp.fft.irfft(product, n, axis=-2)[..., :length, :]
-
-    y = causal(x, k[0])
-    if self.bidirectional:
-      # Lag l >= 1 of the future takes kernel entry l - 1.
-      backward = jnp.flip(causal(jnp.flip(x, -2), k[1]), -2)
-      y = y + common.shift_back(backward, axis=-2)
-    return y
-
-  def _recurrence(self, x: Array, reset: Array | None, mode: Mode, initial_state: Array | None
-                  ) -> tuple[Array, Array]:
-    """Outputs without the skip term, and the forward state after the last step."""
-    a_bar, b_bar, c, _ = self._parameters(x.shape[-1])
-    inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
-    # The last recurrence to read `inputs` may write its states over them.
-    h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
-                                return_final_state=True, overwrite_b=not self.bidirectional)
-    y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
-    if self.bidirectional:
-      # Step t reads the backward state after step t + 1: none when an episode starts there.
-      after = None if reset is None else common.shift_back(reset, axis=-1)
-      h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode,
-                            overwrite_b=True)
-      h = common.shift_back(h, axis=-3)
-      if after is not None:
-        h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
-      y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real
-    return y, last
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, H, d_state / 2)` complex64 for inputs `(*batch, H)`."""
-    return jnp.zeros((*tuple(input_shape), self.d_state // 2), jnp.complex64)
+    return initialize_state(self, input_shape)
 
   def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
     """Advances one step (causal S4D only).
@@ -189,14 +255,5 @@ class S4D(nn.Module):
     Returns:
       `(state, y_t)`: the new state and the `(*batch, H)` output.
     """
-    if self.bidirectional:
-      raise ValueError("a bidirectional S4D has no step mode: its output needs the future.")
     x_t, reset = common.check_step(x_t, reset)
-    a_bar, b_bar, c, d = self._parameters(x_t.shape[-1])
-    state = common.clear(state, reset)
-    xf = x_t.astype(accumulation_dtype(x_t.dtype))
-    state = common.leading_ones(a_bar, state.ndim) * state + xf[..., None] * common.leading_ones(
-        b_bar, state.ndim
-    )
-    y = 2 * jnp.einsum("...hn,hn->...h", state, c[0]).real + xf * common.leading_ones(d, xf.ndim)
-    return state, y.astype(x_t.dtype)
+    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)

@@ -4,6 +4,8 @@ diagonalised HiPPO-N matrix."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import scipy.linalg
 from ssmkit._src import discretization, hippo
 from ssmkit._src.layers import common
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
@@ -31,6 +34,121 @@ def _in_eigenbasis(draw, project: np.ndarray, left: bool) -> nn.initializers.Ini
     return jnp.stack([x.real, x.imag]).astype(dtype)
 
   return init
+
+
+def _eigenbasis(cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+  """Initial Lambda `(modes,)` and V `(P, modes)`, complex128."""
+  p, j = cfg.d_state, cfg.blocks
+  if not isinstance(j, int) or j < 1 or p < 1 or p % j or (cfg.conj_sym and (p // j) % 2):
+    raise ValueError(
+        f"`d_state`={p} must split into `blocks`={j} equal blocks (of even size with "
+        "`conj_sym`)."
+    )
+  size = p // j
+  lam, v, _ = hippo.legs_normal_diagonalized(size)
+  if cfg.conj_sym:
+    lam, v = lam[: size // 2], v[:, : size // 2]
+  return np.tile(lam, j), scipy.linalg.block_diag(*[v] * j)
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
+  """S5's parameters for inputs of width `features` H, in `cfg`'s configuration.
+
+  Args:
+    cfg: any object with the attributes of `S5` (d_state, blocks, conj_sym, dt_min, dt_max,
+      bidirectional).
+    features: the input width H.
+
+  Returns:
+    Lambda_re, Lambda_im `(M,)` for M modes; B `(2, M, H)` and C `(2, directions, H, M)`
+    (real and imaginary parts stacked); D `(H,)`; log_dt `(M,)`.
+  """
+  lam, v = _eigenbasis(cfg)
+  discretization.by_name(cfg.discretization)  # an unknown name is refused here, on creation
+  modes = lam.shape[0]
+  lecun = nn.initializers.lecun_normal()
+  draw_b = lambda key: lecun(key, (cfg.d_state, features))
+  directions = 2 if cfg.bidirectional else 1
+
+  def draw_c(key: Array) -> Array:
+    """C `(directions, H, P)` with real and imaginary parts each LeCun-normal."""
+    re, im = jax.random.split(key)
+    shape = (directions, features, cfg.d_state)
+    return jax.lax.complex(lecun(re, shape), lecun(im, shape))
+
+  return {
+      "Lambda_re": common.ParamSpec((modes,), common.constant(lam.real)),
+      "Lambda_im": common.ParamSpec((modes,), common.constant(lam.imag)),
+      "B": common.ParamSpec((2, modes, features),
+                            _in_eigenbasis(draw_b, np.linalg.pinv(v), left=True)),
+      "C": common.ParamSpec((2, directions, features, modes),
+                            _in_eigenbasis(draw_c, v, left=False)),
+      "D": common.ParamSpec((features,), nn.initializers.normal(1.0)),
+      "log_dt": common.ParamSpec((modes,), discretization.log_step_init(cfg.dt_min, cfg.dt_max)),
+  }
+
+
+def _system(cfg: Any, params: dict[str, Array]) -> tuple[Array, Array, Array]:
+  """(Lambda_bar `(M,)`, B_bar `(M, H)`, C `(directions, H, M)` complex)."""
+  b, c = params["B"], params["C"]
+  discretize = discretization.by_name(cfg.discretization)
+  lam_bar, b_bar = discretize(
+      jax.lax.complex(params["Lambda_re"], params["Lambda_im"]), jax.lax.complex(b[0], b[1]),
+      jnp.exp(params["log_dt"]))
+  return lam_bar, b_bar, jax.lax.complex(c[0], c[1])
+
+
+def _read(cfg: Any, h: Array, c: Array) -> Array:
+  y = jnp.einsum("...m,hm->...h", h, c)
+  return 2 * y.real if cfg.conj_sym else y.real
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
+             mode: str | Mode = "auto", *, initial_state: Array | None = None,
+             return_state: bool = False) -> tuple[Array, Array]:
+  """S5 over a whole sequence: `(y, final_state)` (see `S5.__call__` for the arguments).
+
+  `return_state` says the caller reads the final state, which a bidirectional S5 refuses.
+  """
+  x, reset = common.check_sequence(x, reset)
+  if cfg.bidirectional and (initial_state is not None or return_state):
+    raise ValueError("a bidirectional S5 has no state to start from or return: it reads the future.")
+  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
+  lam_bar, b_bar, c = _system(cfg, params)
+  xf = x.astype(accumulation_dtype(x.dtype))
+  inputs = xf.astype(b_bar.dtype) @ b_bar.T
+  # The last recurrence to read `inputs` may write its states over them.
+  h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=reset, axis=-2, mode=mode,
+                              return_final_state=True, overwrite_b=not cfg.bidirectional)
+  y = _read(cfg, h, c[0])
+  if cfg.bidirectional:
+    # Backwards, step t starts afresh when a new episode starts at t + 1.
+    after = None if reset is None else common.shift_back(reset, axis=-1)
+    h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode,
+                          overwrite_b=True)
+    y = y + _read(cfg, h, c[1])
+  y = (y + xf * common.leading_ones(params["D"], xf.ndim)).astype(x.dtype)
+  return y, last
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
+  """The zero state `(*batch, modes)` complex64 for inputs `(*batch, H)`."""
+  modes = cfg.d_state // 2 if cfg.conj_sym else cfg.d_state
+  return jnp.zeros((*tuple(input_shape)[:-1], modes), jnp.complex64)
+
+
+def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Array | None = None
+         ) -> tuple[Array, Array]:
+  """One step of a causal S5: `(state, y_t)` (see `S5.step`)."""
+  if cfg.bidirectional:
+    raise ValueError("a bidirectional S5 has no step mode: its output needs the future.")
+  x_t, reset = common.check_step(x_t, reset)
+  lam_bar, b_bar, c = _system(cfg, params)
+  state = common.clear(state, reset)
+  xf = x_t.astype(accumulation_dtype(x_t.dtype))
+  state = common.leading_ones(lam_bar, state.ndim) * state + xf.astype(b_bar.dtype) @ b_bar.T
+  y = _read(cfg, state, c[0]) + xf * common.leading_ones(params["D"], xf.ndim)
+  return state, y.astype(x_t.dtype)
 
 
 class S5(nn.Module):
@@ -71,56 +189,11 @@ class S5(nn.Module):
     common.check_positive_int(self.d_state, "d_state")
     super().__post_init__()
 
-  def _eigenbasis(self) -> tuple[np.ndarray, np.ndarray]:
-    """Initial Lambda `(modes,)` and V `(P, modes)`, complex128."""
-    p, j = self.d_state, self.blocks
-    if not isinstance(j, int) or j < 1 or p < 1 or p % j or (self.conj_sym and (p // j) % 2):
-      raise ValueError(
-          f"`d_state`={p} must split into `blocks`={j} equal blocks (of even size with "
-          "`conj_sym`)."
-      )
-    size = p // j
-    lam, v, _ = hippo.legs_normal_diagonalized(size)
-    if self.conj_sym:
-      lam, v = lam[: size // 2], v[:, : size // 2]
-    return np.tile(lam, j), scipy.linalg.block_diag(*[v] * j)
-
   @nn.compact
-  def _parameters(self, features: int) -> tuple[Array, Array, Array, Array]:
-    """(Lambda_bar `(M,)`, B_bar `(M, H)`, C `(directions, H, M)` complex, D `(H,)`)."""
-    lam, v = self._eigenbasis()
-    modes, dtype = lam.shape[0], self.param_dtype
-    v_inverse = np.linalg.pinv(v)
-    lam_re = self.param("Lambda_re", common.constant(lam.real), (modes,), dtype)
-    lam_im = self.param("Lambda_im", common.constant(lam.imag), (modes,), dtype)
-    lecun = nn.initializers.lecun_normal()
-    draw_b = lambda key: lecun(key, (self.d_state, features))
-    b = self.param("B", _in_eigenbasis(draw_b, v_inverse, left=True), (2, modes, features), dtype)
-    directions = 2 if self.bidirectional else 1
+  def _params(self, features: int) -> dict[str, Array]:
+    return common.linen_params(self, param_specs(self, features), self.param_dtype)
 
-    def draw_c(key: Array) -> Array:
-      """C `(directions, H, P)` with real and imaginary parts each LeCun-normal."""
-      re, im = jax.random.split(key)
-      shape = (directions, features, self.d_state)
-      return jax.lax.complex(lecun(re, shape), lecun(im, shape))
-
-    c = self.param("C", _in_eigenbasis(draw_c, v, left=False), (2, directions, features, modes),
-                   dtype)
-    d = self.param("D", nn.initializers.normal(1.0), (features,), dtype)
-    log_dt = self.param(
-        "log_dt", discretization.log_step_init(self.dt_min, self.dt_max), (modes,), dtype
-    )
-    discretize = discretization.by_name(self.discretization)
-    lam_bar, b_bar = discretize(
-        jax.lax.complex(lam_re, lam_im), jax.lax.complex(b[0], b[1]), jnp.exp(log_dt)
-    )
-    return lam_bar, b_bar, jax.lax.complex(c[0], c[1]), d
-
-  def _read(self, h: Array, c: Array) -> Array:
-    y = jnp.einsum("...m,hm->...h", h, c)
-    return 2 * y.real if self.conj_sym else y.real
-
-  def __call__(self, x: Array, reset: Array | None = None, mode: str = "auto", *,
+  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Array | None = None, return_state: bool = False
                ) -> Array | tuple[Array, Array]:
     """Runs the whole sequence.
@@ -138,29 +211,13 @@ class S5(nn.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    if self.bidirectional and (initial_state is not None or return_state):
-      raise ValueError("a bidirectional S5 has no state to start from or return: it reads the future.")
-    common.check_initial_state(initial_state, self.initialize_state(x.shape[:-2] + x.shape[-1:]))
-    lam_bar, b_bar, c, d = self._parameters(x.shape[-1])
-    xf = x.astype(accumulation_dtype(x.dtype))
-    inputs = xf.astype(b_bar.dtype) @ b_bar.T
-    # The last recurrence to read `inputs` may write its states over them.
-    h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=reset, axis=-2, mode=mode,
-                                return_final_state=True, overwrite_b=not self.bidirectional)
-    y = self._read(h, c[0])
-    if self.bidirectional:
-      # Backwards, step t starts afresh when a new episode starts at t + 1.
-      after = None if reset is None else common.shift_back(reset, axis=-1)
-      h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode,
-                            overwrite_b=True)
-      y = y + self._read(h, c[1])
-    y = (y + xf * common.leading_ones(d, xf.ndim)).astype(x.dtype)
+    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
+                       initial_state=initial_state, return_state=return_state)
     return (y, last) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
     """The zero state `(*batch, modes)` complex64 for inputs `(*batch, H)`."""
-    modes = self.d_state // 2 if self.conj_sym else self.d_state
-    return jnp.zeros((*tuple(input_shape)[:-1], modes), jnp.complex64)
+    return initialize_state(self, input_shape)
 
   def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
     """Advances one step (causal S5 only).
@@ -173,12 +230,5 @@ class S5(nn.Module):
     Returns:
       `(state, y_t)`: the new state and the `(*batch, H)` output.
     """
-    if self.bidirectional:
-      raise ValueError("a bidirectional S5 has no step mode: its output needs the future.")
     x_t, reset = common.check_step(x_t, reset)
-    lam_bar, b_bar, c, d = self._parameters(x_t.shape[-1])
-    state = common.clear(state, reset)
-    xf = x_t.astype(accumulation_dtype(x_t.dtype))
-    state = common.leading_ones(lam_bar, state.ndim) * state + xf.astype(b_bar.dtype) @ b_bar.T
-    y = self._read(state, c[0]) + xf * common.leading_ones(d, xf.ndim)
-    return state, y.astype(x_t.dtype)
+    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)

@@ -199,7 +199,8 @@ def parameter_labels(params: Any, layer: str) -> Any:
   embeddings are "no_decay" and every other parameter "decay".
 
   Args:
-    params: the "params" collection of a `SequenceModel` built with `LAYERS[layer]`.
+    params: the "params" collection of a `SequenceModel` built with `LAYERS[layer]`, or the
+      `nnx.Param` state of an `ssmkit.nnx.SequenceModel` of that layer.
     layer: a key of `LAYERS`.
 
   Returns:
@@ -208,7 +209,8 @@ def parameter_labels(params: Any, layer: str) -> Any:
   groups = LAYERS[layer].parameter_groups
 
   def label(path: tuple[Any, ...], _: Any) -> str:
-    names = [key.key for key in path]
+    # Dict keys name the scopes; in an NNX state each leaf is further a Variable's attribute.
+    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
     in_ssm = _SSM_SCOPE in names[:-1]
     if in_ssm and names[-1] in groups.recurrence:
       return "ssm"

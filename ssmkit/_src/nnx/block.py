@@ -1,0 +1,146 @@
+"""`SSMBlock` as a Flax NNX module: the linen block's composition with NNX sublayers."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ssmkit._src.layers import common
+from ssmkit._src.layers.block import (
+    ACTIVATIONS,
+    NORMS,
+    check_choice,
+    check_mask,
+    expand_mask,
+    residual,
+    run_layer,
+)
+from ssmkit._src.modes import Mode
+from ssmkit._src.nnx.layers import LRU
+
+Array = jax.Array
+Norm = nnx.LayerNorm | nnx.RMSNorm | nnx.BatchNorm
+
+# The NNX module of each norm; the linen block names its own `nn.<Module>_0` inside "norm".
+NORM_MODULES: dict[str, type[Norm]] = {"layer": nnx.LayerNorm, "rms": nnx.RMSNorm,
+                                       "batch": nnx.BatchNorm}
+
+
+def make_norm(kind: str, features: int, rngs: nnx.Rngs) -> Norm:
+  """The norm "layer", "rms" or "batch" over `features`, with the linen block's settings."""
+  check_choice(kind, NORMS, "norm")
+  if kind == "batch":
+    return nnx.BatchNorm(features, momentum=0.9, rngs=rngs)
+  return NORM_MODULES[kind](features, rngs=rngs)
+
+
+def norm_kind(norm: Norm) -> str:
+  """"layer", "rms" or "batch": the kind of the norm module `norm`."""
+  return next(kind for kind, cls in NORM_MODULES.items() if isinstance(norm, cls))
+
+
+def normalize(norm: Norm, x: Array, mask: Array | None, *, inference: bool) -> Array:
+  """`norm(x)`; BatchNorm skips the masked steps, and uses its running averages at `inference`
+  whatever the module's train/eval mode."""
+  if isinstance(norm, nnx.BatchNorm):
+    return norm(x, use_running_average=True if inference else None, mask=expand_mask(mask, x))
+  return norm(x)
+
+
+class SSMBlock(nnx.Module):
+  """`ssmkit.layers.SSMBlock` as an NNX module: x + dropout(activation(ssm(norm(x)))).
+
+  Built as `SSMBlock(features, layer=ssmkit.nnx.LRU, ..., rngs=nnx.Rngs(0))`; the layer is
+  `layer(features, rngs=rngs)`, so a class of `ssmkit.nnx` or a `functools.partial` of one.
+  Dropout and BatchNorm follow NNX's modes: after `block.train()` (the mode a new module
+  starts in) dropout is on and BatchNorm normalises by batch statistics and updates its
+  running averages; after `block.eval()` neither. Dropout draws from the "dropout" stream of
+  `rngs` (the default stream when it has none). `step` is always inference.
+
+  Attributes:
+    norm: the norm module (`nnx.LayerNorm`, `nnx.RMSNorm` or `nnx.BatchNorm`).
+    ssm: the SSM layer.
+    dropout: the dropout module.
+    glu_value: the GLU's value projection ("glu"), else None.
+    glu_gate: the GLU's gate projection ("glu", "half_glu"), else None.
+  """
+
+  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, norm: str = "layer",
+               activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
+               rngs: nnx.Rngs):
+    """Builds the block.
+
+    Args:
+      features: the width H of inputs and outputs.
+      layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`.
+      norm: "layer", "batch" or "rms".
+      activation: "gelu", "glu" or "half_glu".
+      dropout_rate: dropout after the activation and after the GLU, in training mode.
+      prenorm: normalise the block input (True) or the residual sum (False).
+      rngs: the parameters' and dropout's random streams.
+    """
+    common.check_positive_int(features, "features")
+    check_choice(activation, ACTIVATIONS, "activation")
+    self.features = features
+    self.activation = activation
+    self.prenorm = prenorm
+    self.norm = make_norm(norm, features, rngs)
+    self.ssm = layer(features, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    linear = functools.partial(nnx.Linear, features, features, rngs=rngs)
+    self.glu_value = linear() if activation == "glu" else None
+    self.glu_gate = linear() if activation != "gelu" else None
+
+  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
+              single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+    """`(state, y)`: the block on one step, or on a sequence (from `state` unless None)."""
+    return residual(
+        x, mask,
+        functools.partial(run_layer, self.ssm, reset=reset, state=state, single_step=single_step,
+                          return_state=return_state, mode=mode),
+        norm=lambda u: normalize(self.norm, u, mask, inference=single_step),
+        dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
+        value=self.glu_value, gate=self.glu_gate, prenorm=self.prenorm)
+
+  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
+               ) -> Array | tuple[Array, Any]:
+    """Runs the block over a whole sequence.
+
+    Args:
+      x: `(..., T, H)` inputs.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
+      reset: optional `(..., T)` booleans; True clears the SSM state before that step.
+      initial_state: optional SSM state to start from, as `step` makes it; default zeros.
+      return_state: also return the SSM state after the last step (padding included).
+      mode: scan mode of the SSM layer.
+
+    Returns:
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
+    """
+    x, reset = common.check_sequence(x, reset)
+    state, y = self._forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
+                            return_state=return_state, mode=mode)
+    return (y, state) if return_state else y
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
+    """The SSM layer's zero state for inputs `(*batch, H)` of one step."""
+    return self.ssm.initialize_state(input_shape)
+
+  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+    """Advances one step at inference (dropout off, BatchNorm on running averages).
+
+    Args:
+      state: the SSM layer's state.
+      x_t: `(*batch, H)` input of this step.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
+    """
+    x_t, reset = common.check_step(x_t, reset)
+    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")

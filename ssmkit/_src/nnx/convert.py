@@ -1,0 +1,176 @@
+"""Trained parameters across the front ends: `from_linen` and `to_linen`.
+
+A linen layer's parameter tree and its NNX module's state have the same names. Around the
+layers the paths differ only in three ways: linen's `Norm` holds its flax norm as
+`LayerNorm_0`, `RMSNorm_0` or `BatchNorm_0`; linen's unrolled blocks are `block_<i>`
+where NNX has `blocks/<i>`; linen's scanned blocks are `blocks/block` where NNX has `blocks`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from ssmkit._src.layers import block as linen_block
+from ssmkit._src.layers import model as linen_model
+from ssmkit._src.nnx.block import NORM_MODULES, SSMBlock, norm_kind
+from ssmkit._src.nnx.layers import Layer, front_end, option_names
+from ssmkit._src.nnx.model import SequenceModel
+
+Array = jax.Array
+Module = Layer | SSMBlock | SequenceModel
+
+# The linen collection of each kind of NNX variable that a conversion moves.
+_COLLECTIONS: dict[type[nnx.Variable], str] = {nnx.Param: "params", nnx.BatchStat: "batch_stats"}
+# Where linen's `Norm` keeps the flax norm of each kind.
+_LINEN_NORM_SCOPES = {"layer": "LayerNorm_0", "rms": "RMSNorm_0", "batch": "BatchNorm_0"}
+
+
+def _options(layer: Any) -> dict[str, Any]:
+  """The options of a layer of either front end, by name."""
+  linen = front_end(type(layer), "module").linen if isinstance(layer, nn.Module) else type(layer).linen
+  return {name: getattr(layer, name) for name in option_names(linen)}
+
+
+def _layer_width(cls: type[Layer], config: nn.Module, params: dict[str, Any]) -> int:
+  """The input width H for which the layer's parameters have the shapes of `params`."""
+  shapes = {name: tuple(np.shape(value)) for name, value in params.items()}
+  for width in sorted({size for shape in shapes.values() for size in shape}):
+    if {name: spec.shape for name, spec in cls.maths.param_specs(config, width).items()} == shapes:
+      return width
+  raise ValueError(f"`variables` do not hold the parameters of a {cls.__name__} configured as "
+                   f"{_options(config)}: got shapes {shapes}.")
+
+
+def _linen_path(model: Module, path: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The path in the linen variables (collection left out) of the NNX variable at `path`."""
+  owner = model
+  for key in path[:-1]:
+    owner = owner[key] if isinstance(key, int) else getattr(owner, key)
+  head = path[:-1]
+  if isinstance(model, SequenceModel) and path[0] == "blocks":
+    head = ("blocks", "block", *path[1:-1]) if model.scan_blocks else (f"block_{path[1]}", *path[2:-1])
+  if isinstance(owner, tuple(NORM_MODULES.values())):
+    head = (*head, _LINEN_NORM_SCOPES[norm_kind(owner)])
+  return (*head, path[-1])
+
+
+def _moved(model: Module) -> list[tuple[tuple[Any, ...], tuple[Any, ...], Array]]:
+  """`(NNX path, linen path with its collection, value)` of every parameter and BatchNorm
+  statistic of `model`."""
+  state = nnx.state(model, nnx.Any(*_COLLECTIONS))
+  return [(path, (_COLLECTIONS[type(variable)], *_linen_path(model, path)), variable[...])
+          for path, variable in nnx.to_flat_state(state)]
+
+
+def _front_end_factory(linen_factory: Callable[..., nn.Module]) -> Callable[..., Layer]:
+  """The NNX layer factory (class and options) of a linen block's `layer`."""
+  layer = linen_factory(parent=None)
+  return functools.partial(front_end(type(layer), "module.layer"), **_options(layer))
+
+
+def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
+  """The linen layer factory (class and options) of an NNX layer."""
+  return functools.partial(type(layer).linen, **_options(layer))
+
+
+def _block_options(block: Any) -> dict[str, Any]:
+  """The options of a linen block, but its layer."""
+  return dict(norm=block.norm, activation=block.activation, dropout_rate=block.dropout_rate,
+              prenorm=block.prenorm)
+
+
+def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = None) -> Module:
+  """The NNX module of a linen layer, `SSMBlock` or `SequenceModel`, with its parameters.
+
+  Args:
+    module: a layer of `ssmkit.layers` (or a subclass of one), an `ssmkit.layers.SSMBlock` or an
+      `ssmkit.layers.SequenceModel`.
+    variables: its variables, `{"params": ...}` plus "batch_stats" with BatchNorm.
+    rngs: random streams of the NNX module's dropout; default `nnx.Rngs(0)`.
+
+  Returns:
+    The `ssmkit.nnx` module of the same configuration, input width and parameters (BatchNorm
+    running averages included), in training mode as every new NNX module.
+
+  Raises:
+    TypeError: for a module of another kind.
+    ValueError: for variables that do not fit the module, naming what is missing or extra.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from ssmkit import layers, nnx
+    >>> layer = layers.LRU(d_state=4)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((5, 3)))
+    >>> nnx.from_linen(layer, variables).features
+    3
+  """
+  rngs = nnx.Rngs(0) if rngs is None else rngs
+  params = variables["params"]
+  if isinstance(module, linen_model.SequenceModel):
+    in_features = None if module.vocab_size is not None else np.shape(params["encoder"]["kernel"])[0]
+    model = SequenceModel(
+        in_features, module.num_outputs, layer=_front_end_factory(module.layer),
+        features=module.features, num_blocks=module.num_blocks, vocab_size=module.vocab_size,
+        pooling=module.pooling, scan_blocks=module.scan_blocks, rngs=rngs, **_block_options(module))
+  elif isinstance(module, linen_block.SSMBlock):
+    norm = params["norm"][_LINEN_NORM_SCOPES[module.norm]]
+    model = SSMBlock(np.shape(norm["scale"])[-1], layer=_front_end_factory(module.layer), rngs=rngs,
+                     **_block_options(module))
+  else:
+    cls = front_end(type(module), "module")
+    model = cls(_layer_width(cls, module, params), rngs=rngs, **_options(module))
+  given = traverse_util.flatten_dict({c: variables[c] for c in _COLLECTIONS.values() if c in variables})
+  values = {}
+  for path, linen_path, value in _moved(model):
+    if linen_path not in given:
+      raise ValueError(f"`variables` lack {'/'.join(map(str, linen_path))} of {type(module).__name__}.")
+    new = jnp.asarray(given.pop(linen_path))
+    if new.shape != value.shape:
+      raise ValueError(f"`variables` hold {'/'.join(map(str, linen_path))} of shape {new.shape}; "
+                       f"{type(module).__name__} needs {value.shape}.")
+    values[path] = new
+  if given:
+    extra = ", ".join("/".join(map(str, path)) for path in given)
+    raise ValueError(f"`variables` hold {extra}, which {type(module).__name__} does not have.")
+  nnx.update(model, nnx.State.from_flat_path(values))
+  return model
+
+
+def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
+  """The linen module of an `ssmkit.nnx` layer, `SSMBlock` or `SequenceModel`, and its variables.
+
+  Args:
+    model: an `ssmkit.nnx` module.
+
+  Returns:
+    `(module, variables)`: the `ssmkit.layers` module of the same configuration and its
+    variables, `{"params": ...}` plus "batch_stats" with BatchNorm, for `module.apply`.
+
+  Raises:
+    TypeError: for a module of another kind.
+  """
+  if isinstance(model, SequenceModel):
+    block = model.blocks if model.scan_blocks else model.blocks[0]
+    module = linen_model.SequenceModel(
+        num_outputs=model.num_outputs, layer=_linen_factory(block.ssm), features=model.features,
+        num_blocks=model.num_blocks, vocab_size=model.vocab_size, pooling=model.pooling,
+        norm=norm_kind(block.norm), activation=block.activation, dropout_rate=block.dropout.rate,
+        prenorm=block.prenorm, scan_blocks=model.scan_blocks)
+  elif isinstance(model, SSMBlock):
+    module = linen_block.SSMBlock(
+        layer=_linen_factory(model.ssm), norm=norm_kind(model.norm), activation=model.activation,
+        dropout_rate=model.dropout.rate, prenorm=model.prenorm)
+  elif isinstance(model, Layer):
+    module = type(model).linen(**_options(model))
+  else:
+    raise TypeError(f"`model` must be a module of ssmkit.nnx, got {type(model).__name__}.")
+  variables = traverse_util.unflatten_dict({linen_path: value for _, linen_path, value in _moved(model)})
+  return module, variables

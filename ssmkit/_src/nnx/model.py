@@ -1,0 +1,223 @@
+"""`SequenceModel` and `generate` as Flax NNX: the linen model's stack with NNX modules."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ssmkit._src.layers import common
+from ssmkit._src.layers.block import check_choice
+from ssmkit._src.layers.model import (
+    POOLINGS,
+    check_inputs,
+    check_step_inputs,
+    generation_arguments,
+    pool,
+    sample,
+)
+from ssmkit._src.modes import Mode
+from ssmkit._src.nnx.block import SSMBlock, make_norm, normalize
+from ssmkit._src.nnx.layers import LRU
+
+Array = jax.Array
+
+
+def _stacked_blocks(make: Callable[[nnx.Rngs], SSMBlock], count: int, rngs: nnx.Rngs) -> SSMBlock:
+  """`count` blocks as one whose parameters are stacked on a leading axis, each drawn apart."""
+
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs: nnx.Rngs) -> SSMBlock:
+    return make(rngs)
+
+  return create(rngs)
+
+
+class SequenceModel(nnx.Module):
+  """`ssmkit.layers.SequenceModel` as an NNX module: encoder, residual blocks, norm, pooling, decoder.
+
+  `SequenceModel(in_features, num_outputs, layer=ssmkit.nnx.LRU, ..., rngs=nnx.Rngs(0))` for
+  real inputs `(..., T, in_features)`, or `SequenceModel(None, num_outputs, vocab_size=V, ...)`
+  for tokens `(..., T)`; the other options are the linen model's. Each block builds its layer
+  as `layer(features, rngs=rngs)`. Dropout and BatchNorm follow NNX's modes (`model.train()`,
+  the mode a new module starts in, and `model.eval()`, see `SSMBlock`); `step` is always
+  inference.
+
+  Attributes:
+    encoder: `nnx.Linear` for real inputs, `nnx.Embed` for tokens.
+    blocks: an `nnx.List` of `SSMBlock`s, or with `scan_blocks` one `SSMBlock` whose
+      parameters are stacked on a leading axis of size `num_blocks`.
+    final_norm: the norm after the blocks (with `prenorm`), else None.
+    decoder: `nnx.Linear` to `num_outputs`.
+  """
+
+  def __init__(self, in_features: int | None, num_outputs: int, *,
+               layer: Callable[..., nnx.Module] = LRU, features: int = 64, num_blocks: int = 2,
+               vocab_size: int | None = None, pooling: str = "mean", norm: str = "layer",
+               activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
+               scan_blocks: bool = False, rngs: nnx.Rngs):
+    """Builds the model.
+
+    Args:
+      in_features: the width F of real inputs; None with `vocab_size` for token inputs.
+      num_outputs: classes, or the output vocabulary of a language model.
+      layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`.
+      features: model width H.
+      num_blocks: number of residual blocks.
+      vocab_size: input vocabulary for token inputs; None for real-valued inputs.
+      pooling: "mean" or "last" over the real steps of `mask`, or "none".
+      norm: "layer", "batch" or "rms".
+      activation: "gelu", "glu" or "half_glu".
+      dropout_rate: dropout inside the blocks in training mode.
+      prenorm: normalise block inputs (True) or residual sums (False).
+      scan_blocks: run the blocks with `nnx.scan` over parameters stacked on a leading axis,
+        so compile time does not grow with depth.
+      rngs: the parameters' and dropout's random streams.
+    """
+    if (in_features is None) == (vocab_size is None):
+      raise ValueError("give `in_features` for real inputs or `vocab_size` for tokens, not both: got "
+                       f"in_features={in_features!r}, vocab_size={vocab_size!r}.")
+    check_choice(pooling, POOLINGS, "pooling")
+    common.check_positive_int(num_blocks, "num_blocks")
+    self.in_features = in_features
+    self.num_outputs = num_outputs
+    self.features = features
+    self.num_blocks = num_blocks
+    self.vocab_size = vocab_size
+    self.pooling = pooling
+    self.scan_blocks = scan_blocks
+    if vocab_size is None:
+      self.encoder = nnx.Linear(in_features, features, rngs=rngs)
+    else:
+      self.encoder = nnx.Embed(vocab_size, features, rngs=rngs)
+    block = functools.partial(SSMBlock, features, layer=layer, norm=norm, activation=activation,
+                              dropout_rate=dropout_rate, prenorm=prenorm)
+    if scan_blocks:
+      self.blocks = _stacked_blocks(lambda rngs: block(rngs=rngs), num_blocks, rngs)
+    else:
+      self.blocks = nnx.List([block(rngs=rngs) for _ in range(num_blocks)])
+    self.final_norm = make_norm(norm, features, rngs) if prenorm else None
+    self.decoder = nnx.Linear(features, num_outputs, rngs=rngs)
+
+  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
+               single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+    """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
+    x = self.encoder(x)
+    flags = dict(single_step=single_step, return_state=return_state, mode=mode)
+    if self.scan_blocks:
+
+      @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+      def through(block: SSMBlock, x: Array, block_state: Any) -> tuple[Array, Any]:
+        block_state, x = block._forward(x, mask, reset, block_state, **flags)
+        return x, block_state
+
+      x, state = through(self.blocks, x, state)
+    else:
+      states = []
+      for i, block in enumerate(self.blocks):
+        block_state, x = block._forward(x, mask, reset, None if state is None else state[i], **flags)
+        states.append(block_state)
+      state = tuple(states)
+    if self.final_norm is not None:
+      x = normalize(self.final_norm, x, mask, inference=single_step)
+    if not single_step:
+      x = pool(x, mask, self.pooling)
+    return state, self.decoder(x)
+
+  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
+               ) -> Array | tuple[Array, Any]:
+    """Runs the model over whole sequences, as the linen model does.
+
+    Args:
+      x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1
+        broadcast); see `ssmkit.layers.SequenceModel` for padding.
+      reset: optional `(..., T)` booleans; True clears every block's state before that step.
+      initial_state: optional state to start from, as `initialize_state` or `step` makes it;
+        default zeros.
+      return_state: also return the state after the last step (padding included).
+      mode: scan mode of the SSM layers.
+
+    Returns:
+      `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
+      `(outputs, state)`.
+    """
+    x, mask, reset = check_inputs(self, x, mask, reset)
+    state, y = self._forward(x, mask, reset, initial_state, single_step=False,
+                             return_state=return_state, mode=mode)
+    return (y, state) if return_state else y
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
+    """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens."""
+    batch = tuple(input_shape) if self.vocab_size is not None else tuple(input_shape)[:-1]
+    shape = (*batch, self.features)
+    if self.scan_blocks:
+      # Zero states need no parameters: the stacked block gives one block's.
+      return jax.tree.map(lambda s: jnp.stack([s] * self.num_blocks),
+                          self.blocks.initialize_state(shape))
+    return tuple(block.initialize_state(shape) for block in self.blocks)
+
+  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+    """Advances one step at inference; needs pooling "none".
+
+    Args:
+      state: from `initialize_state` or a previous `step`.
+      x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)` with `y_t` of shape `(*batch, num_outputs)`.
+    """
+    x_t, reset = check_step_inputs(self, x_t, reset)
+    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
+
+
+def generate(model: SequenceModel, prompt: Array, num_steps: int, *, rng: Array | None = None,
+             temperature: float | Array = 1.0, top_k: int | None = None,
+             top_p: float | Array | None = None, eos_token: int | Array | None = None) -> Array:
+  """Continues token sequences with a causal NNX `SequenceModel`, as `ssmkit.layers.generate`.
+
+  The model runs in evaluation mode whatever its own mode, and is left unchanged. The whole
+  continuation is one jitted program, compiled once per model structure, shapes and `top_k`.
+
+  Args:
+    model: a `SequenceModel` with `vocab_size` set and pooling "none".
+    prompt: `(*batch, P)` int tokens, P >= 1.
+    num_steps: number of tokens to generate (a Python int).
+    rng: PRNG key for sampling; needed unless `temperature` is 0.
+    temperature: softmax temperature >= 0, a number or a traced scalar; 0 for greedy decoding.
+    top_k: sample among the `top_k` most likely tokens (a Python int); 1 is greedy.
+    top_p: sample within the nucleus of probability mass `top_p` in (0, 1].
+    eos_token: the end token: a sequence that has generated it continues with it.
+
+  Returns:
+    `(*batch, num_steps)` int32 generated tokens.
+  """
+  arguments = generation_arguments(model, prompt, num_steps, rng=rng, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, eos_token=eos_token)
+  graphdef, state = nnx.split(model)
+  return _generate(graphdef, state, **arguments)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k"))
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt: Array, num_steps: int, rng: Array,
+              temperature: Array, top_k: int | None, top_p: Array | None,
+              eos_token: Array | None) -> Array:
+  """`generate` after its checks, on copies of the model in evaluation mode."""
+
+  def model() -> SequenceModel:
+    # A copy for each trace (the prompt's, the loop body's): NNX transforms inside the model,
+    # such as the scan over stacked blocks, take only modules of their own trace.
+    copy = nnx.merge(graphdef, state, copy=True)
+    copy.eval()
+    return copy
+
+  return sample(lambda tokens: model()(tokens, return_state=True),
+                lambda carry, token: model().step(carry, token), prompt, num_steps, rng,
+                temperature, top_k, top_p, eos_token)

@@ -1,0 +1,25 @@
+"""Every SSM layer, `SSMBlock` and `SequenceModel` as a Flax NNX module, with the linen modules' maths.
+
+    layer = ssmkit.nnx.LRU(features, d_state=64, rngs=nnx.Rngs(0))
+    y = layer(x, reset=done)                                  # x: (..., T, features)
+    state, y_t = layer.step(layer.initialize_state(x_t.shape), x_t)
+    model = ssmkit.nnx.from_linen(linen_module, variables)   # and back: ssmkit.nnx.to_linen(model)
+"""
+
+from ssmkit._src.nnx.block import SSMBlock
+from ssmkit._src.nnx.convert import from_linen, to_linen
+from ssmkit._src.nnx.layers import LRU, S4D, S5, Layer, Mamba
+from ssmkit._src.nnx.model import SequenceModel, generate
+
+__all__ = [
+    "LRU",
+    "S4D",
+    "S5",
+    "Layer",
+    "Mamba",
+    "SSMBlock",
+    "SequenceModel",
+    "from_linen",
+    "generate",
+    "to_linen",
+]
