@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common
+from ssmkit._src.layers.convolution import causal_conv
 from ssmkit._src.layers.selective_scan import selective_scan
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.modes import Mode
@@ -41,15 +42,6 @@ class _Params(NamedTuple):
   a: Array
   d: Array
   w_out: Array
-
-
-def _uniform(bound: float) -> nn.initializers.Initializer:
-  """U(-bound, bound): with bound 1 / sqrt(fan_in), PyTorch's default for the paper's layers."""
-
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-  return init
 
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4) -> nn.initializers.Initializer:
@@ -103,11 +95,12 @@ class Mamba(nn.Module):
   def _parameters(self, features: int) -> _Params:
     inner, n, dtype = self.expand * features, self.d_state, self.param_dtype
     rank = self.dt_rank or math.ceil(features / 16)
-    w_in = self.param("in_proj", _uniform(features**-0.5), (features, 2 * inner), dtype)
-    conv_kernel = self.param("conv_kernel", _uniform(self.d_conv**-0.5), (self.d_conv, inner), dtype)
-    conv_bias = self.param("conv_bias", _uniform(self.d_conv**-0.5), (inner,), dtype)
-    w_x = self.param("x_proj", _uniform(inner**-0.5), (inner, rank + 2 * n), dtype)
-    w_dt = self.param("dt_proj", _uniform(rank**-0.5), (rank, inner), dtype)
+    w_in = self.param("in_proj", common.uniform(features**-0.5), (features, 2 * inner), dtype)
+    conv_init = common.uniform(self.d_conv**-0.5)
+    conv_kernel = self.param("conv_kernel", conv_init, (self.d_conv, inner), dtype)
+    conv_bias = self.param("conv_bias", conv_init, (inner,), dtype)
+    w_x = self.param("x_proj", common.uniform(inner**-0.5), (inner, rank + 2 * n), dtype)
+    w_dt = self.param("dt_proj", common.uniform(rank**-0.5), (rank, inner), dtype)
     b_dt = self.param("dt_bias", dt_bias_init(self.dt_min, self.dt_max), (inner,), dtype)
     # S4D-Real: A_n = -(n + 1) for every channel.
     a_log = self.param(
@@ -117,7 +110,7 @@ class Mamba(nn.Module):
         dtype,
     )
     d = self.param("D", nn.initializers.ones, (inner,), dtype)
-    w_out = self.param("out_proj", _uniform(inner**-0.5), (inner, features), dtype)
+    w_out = self.param("out_proj", common.uniform(inner**-0.5), (inner, features), dtype)
     return _Params(w_in, conv_kernel, conv_bias, w_x, w_dt, b_dt, -jnp.exp(a_log), d, w_out)
 
   def _selective(self, p: _Params, u: Array) -> tuple[Array, Array, Array]:
@@ -160,47 +153,13 @@ class Mamba(nn.Module):
     xf = x.astype(accumulation_dtype(x.dtype))
     inner = p.d.shape[0]
     v, z = xf @ p.w_in[:, :inner], xf @ p.w_in[:, inner:]
-    conv, window = self._convolve(p, v, (initial_state or zero).conv, reset)
+    conv, window = causal_conv(v, p.conv_kernel, p.conv_bias, (initial_state or zero).conv, reset)
     u = jax.nn.silu(conv)
     dt, b, c = self._selective(p, u)
     h0 = None if initial_state is None else initial_state.ssm
     y, last = selective_scan(u, dt, p.a, b, c, h0=h0, reset=reset, mode=mode)
     y = self._gate_and_project(p, y, u, z).astype(x.dtype)
     return (y, MambaState(window, last)) if return_state else y
-
-  def _convolve(self, p: _Params, v: Array, window: Array, reset: Array | None) -> tuple[Array, Array]:
-    """Causal depthwise convolution over time (axis -2) that does not reach across resets.
-
-    Args:
-      p: the parameters.
-      v: `(..., T, d_inner)` inputs.
-      window: `(..., d_conv - 1, d_inner)` inputs before the first step.
-      reset: optional `(..., T)` episode starts.
-
-    Returns:
-      The `(..., T, d_inner)` convolution and the window after the last step, as `step` keeps it.
-    """
-    length, past = v.shape[-2], self.d_conv - 1
-    extended = jnp.concatenate([window.astype(v.dtype), v], axis=-2)
-    # Episode number of every extended step; the window belongs to the episode before any reset.
-    episode = None
-    if reset is not None:
-      episode = jnp.concatenate(
-          [jnp.zeros((*reset.shape[:-1], past), jnp.int32), jnp.cumsum(reset, axis=-1, dtype=jnp.int32)],
-          axis=-1,
-      )
-    out = common.leading_ones(p.conv_bias, v.ndim)
-    for lag in range(self.d_conv):
-      earlier = extended[..., past - lag : past - lag + length, :]
-      if episode is not None:
-        same = episode[..., past - lag : past - lag + length] == episode[..., past:]
-        earlier = jnp.where(same[..., None], earlier, jnp.zeros_like(earlier))
-      out = out + earlier * common.leading_ones(p.conv_kernel[past - lag], v.ndim)
-    window = extended[..., length:, :]
-    if episode is not None:
-      current = episode[..., length:] == episode[..., -1:]
-      window = jnp.where(current[..., None], window, jnp.zeros_like(window))
-    return out, window.astype(jnp.float32)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> MambaState:
     """Zero convolution window and SSM state for inputs `(*batch, H)` of one step."""
