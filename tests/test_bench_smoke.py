@@ -70,10 +70,10 @@ def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
 
 
 def test_bench_layers_runs_only_the_layers_asked_for(capsys):
-  status = cli.main(["bench", "layers", "--shapes", "small", "--repeats", "2", "--layers", "Mamba"])
+  status = cli.main(["bench", "layers", "--shapes", "small", "--repeats", "2", "--layers", "Mamba2"])
   out = capsys.readouterr().out
   assert status == 0
-  assert "Mamba " in out and "LRU " not in out
+  assert "Mamba2(d_state=64)" in out and "Mamba2 " in out and "LRU " not in out
   assert "nn.scan" not in out  # the depth sweep builds LRU models: skipped without LRU
   assert cli.main(["bench", "layers", "--shapes", "small", "--layers", "GRU"]) == 2
   assert "unknown layer(s) GRU" in capsys.readouterr().err

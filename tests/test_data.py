@@ -21,6 +21,7 @@ SMALL = {
     "induction_heads": {"num_train": 12, "num_test": 5, "length": 17},
     "listops": {"num_train": 12, "num_test": 5, "max_length": 40},
     "mnist1d": {"num_samples": 60},
+    "mqar": {"num_train": 12, "num_test": 5, "length": 20, "num_pairs": 3, "vocab_size": 10},
     "selective_copying": {"num_train": 12, "num_test": 5, "length": 19, "num_tokens": 4},
     "sequential_digits": {},
 }
@@ -254,6 +255,61 @@ def test_induction_heads_sizes_sweep(length: int, vocab_size: int, seed: int):
   _check_induction_heads(ds, length, vocab_size)
 
 
+# Multi-query associative recall.
+
+
+def _check_mqar(ds: SequenceDataset, length: int, num_pairs: int, vocab_size: int,
+                random_non_queries: bool = True):
+  assert ds.vocab_size == ds.num_classes == vocab_size and ds.per_step
+  half, context = vocab_size // 2, 2 * num_pairs
+  for x, y in zip(np.concatenate([ds.x_train, ds.x_test]), np.concatenate([ds.y_train, ds.y_test]),
+                  strict=True):
+    assert len(x) == length
+    keys, values = list(x[0:context:2]), list(x[1:context:2])
+    assert len(set(keys)) == len(set(values)) == num_pairs
+    assert all(1 <= k < half for k in keys) and all(half <= v < vocab_size for v in values)
+    asked = [t for t in range(length) if y[t] != -1]
+    assert all(t >= context and (t - context) % 2 == 0 for t in asked)
+    assert sorted(x[t] for t in asked) == sorted(keys)
+    assert all(y[t] == values[keys.index(x[t])] for t in asked)
+    if not random_non_queries:
+      assert all(x[t] == 0 for t in range(context, length) if y[t] == -1)
+
+
+def test_mqar_queries_every_key_once_for_its_value():
+  _check_mqar(data.mqar(num_train=40, num_test=10, length=64, num_pairs=8, vocab_size=64), 64, 8, 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_pairs=st.sampled_from([1, 2, 3, 7]),
+    extra_length=st.sampled_from([0, 1, 2, 5, 13]),
+    extra_vocab=st.sampled_from([0, 1, 3, 40]),
+    random_non_queries=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_mqar_sizes_sweep(num_pairs: int, extra_length: int, extra_vocab: int,
+                          random_non_queries: bool, seed: int):
+  length, vocab_size = 4 * num_pairs + extra_length, 2 * num_pairs + 2 + extra_vocab
+  ds = data.mqar(num_train=4, num_test=3, length=length, num_pairs=num_pairs, vocab_size=vocab_size,
+                 random_non_queries=random_non_queries, power_a=0.5, seed=seed)
+  _check_mqar(ds, length, num_pairs, vocab_size, random_non_queries)
+
+
+@pytest.mark.parametrize("power_a", [0.01, 0.3, 1.0])
+def test_mqar_query_places_follow_the_power_law(power_a: float):
+  """With one pair, the query's slot g has probability proportional to (g + 1)^(power_a - 1)."""
+  slots = 6
+  ds = data.mqar(num_train=20000, num_test=1, length=2 + 2 * slots, num_pairs=1, vocab_size=8,
+                 power_a=power_a, seed=5)
+  g = (np.argmax(ds.y_train >= 0, axis=1) - 2) // 2
+  counts = np.bincount(g, minlength=slots)
+  p = np.arange(1, slots + 1) ** (power_a - 1.0)
+  p /= p.sum()
+  # Each count is within 5 binomial standard deviations of its expectation.
+  np.testing.assert_array_less(np.abs(counts - 20000 * p), 5 * np.sqrt(20000 * p * (1 - p)))
+
+
 # ListOps.
 
 
@@ -362,6 +418,10 @@ def test_load_rejects_unknown_names_and_keywords():
         (lambda: data.induction_heads(length=2), "length"),
         (lambda: data.induction_heads(vocab_size=1), "vocab_size"),
         (lambda: data.induction_heads(num_test=0), "num_test"),
+        (lambda: data.mqar(length=15, num_pairs=4), "length"),
+        (lambda: data.mqar(vocab_size=9, num_pairs=4), "vocab_size"),
+        (lambda: data.mqar(num_pairs=0), "num_pairs"),
+        (lambda: data.mqar(power_a=0.0), "power_a"),
         (lambda: data.listops(max_length=4), "max_length"),
         (lambda: data.listops(max_args=1), "max_args"),
         (lambda: data.listops(max_depth=0), "max_depth"),

@@ -23,6 +23,10 @@ LAYERS = {
         d_state=6, blocks=2, conj_sym=False, discretization="bilinear"
     ),
     "Mamba": lambda: layers.Mamba(d_state=4, d_conv=3),
+    "Mamba2": lambda: layers.Mamba2(d_state=4, head_dim=2, n_groups=2, d_conv=3),
+    "GatedDeltaNet": lambda: layers.GatedDeltaNet(num_heads=2, d_conv=3),
+    "RGLRU": lambda: layers.RGLRU(num_heads=2, d_conv=3),
+    "MinGRU": lambda: layers.MinGRU(d_state=6),
 }
 MODES = ["sequential", "parallel", "chunked", "auto"]
 
@@ -37,11 +41,12 @@ def _resets(shape, seed=1):
 
 def _stepped(layer, params, x, reset=None):
   """The layer's step method over time (axis -2), from the zero state."""
+  step = jax.jit(lambda state, x_t, r_t: layer.apply(params, state, x_t, r_t, method="step"))
   state = layer.initialize_state(x[..., 0, :].shape)
   ys = []
   for t in range(x.shape[-2]):
     r_t = None if reset is None else reset[..., t]
-    state, y_t = layer.apply(params, state, x[..., t, :], r_t, method="step")
+    state, y_t = step(state, x[..., t, :], r_t)
     ys.append(y_t)
   return jnp.stack(ys, axis=-2)
 
@@ -57,7 +62,7 @@ def any_layer(request):
   return LAYERS[request.param]()
 
 
-@pytest.fixture(params=["LRU", "S4D", "S5", "Mamba"])
+@pytest.fixture(params=["LRU", "S4D", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"])
 def layer(request):
   """One configuration per layer: for the contract's structural parts."""
   return LAYERS[request.param]()
@@ -344,7 +349,8 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
   np.testing.assert_array_equal(layer.apply(params, x, mode="auto"), convolved)
 
 
-@pytest.mark.parametrize("factory", [layers.LRU, layers.S4D, layers.S5, layers.Mamba],
+@pytest.mark.parametrize("factory", [layers.LRU, layers.S4D, layers.S5, layers.Mamba, layers.Mamba2,
+                                     layers.GatedDeltaNet, layers.RGLRU, layers.MinGRU],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("d_state", [0, -2, 2.5])
 def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):

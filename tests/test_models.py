@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ssmkit import layers
+from ssmkit._src.layers.block import NORMS
 from ssmkit._src.layers.model import _filter_logits
 
 SMALL_LAYERS = {
@@ -17,8 +18,12 @@ SMALL_LAYERS = {
     "S4D-bidirectional": functools.partial(layers.S4D, d_state=4, bidirectional=True),
     "S5": functools.partial(layers.S5, d_state=4),
     "Mamba": functools.partial(layers.Mamba, d_state=4, d_conv=3),
+    "Mamba2": functools.partial(layers.Mamba2, d_state=4, head_dim=4, d_conv=3),
+    "GatedDeltaNet": functools.partial(layers.GatedDeltaNet, d_conv=3),
+    "RGLRU": functools.partial(layers.RGLRU, num_heads=2, d_conv=3),
+    "MinGRU": layers.MinGRU,
 }
-CAUSAL = ["LRU", "S5", "Mamba"]
+CAUSAL = ["LRU", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"]
 
 
 def _x(shape, seed=0):
@@ -78,8 +83,8 @@ def test_block_matches_its_formula(activation, prenorm):
   _assert_close(block.apply({"params": params}, x), expected, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", CAUSAL)
-@pytest.mark.parametrize("norm", ["layer", "batch", "rms"])
+@pytest.mark.parametrize(("name", "norm"), [*((name, norm) for name in CAUSAL[:3] for norm in NORMS),
+                                            *((name, "layer") for name in CAUSAL[3:])])
 def test_block_sequence_equals_step_by_step(name, norm):
   block = layers.SSMBlock(layer=SMALL_LAYERS[name], norm=norm)
   x, reset = _x((2, 11, 4)), jax.random.bernoulli(jax.random.key(1), 0.2, (2, 11))
@@ -211,8 +216,9 @@ def test_model_trains_under_jit_with_finite_gradients():
   assert any(np.any(g != 0) for g in jax.tree.leaves(grads["blocks"]))
 
 
-def test_greedy_generation_equals_rerunning_the_whole_sequence():
-  model = _model(vocab_size=7, num_outputs=7, pooling="none", scan_blocks=True)
+@pytest.mark.parametrize("name", ["LRU", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"])
+def test_greedy_generation_equals_rerunning_the_whole_sequence(name):
+  model = _model(vocab_size=7, num_outputs=7, pooling="none", scan_blocks=True, layer=SMALL_LAYERS[name])
   prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 7)
   variables = model.init(jax.random.key(0), prompt)
   generated = jax.jit(lambda p: layers.generate(model, variables, p, 3, temperature=0.0))(prompt)

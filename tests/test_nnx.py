@@ -31,9 +31,15 @@ LAYERS = {
         functools.partial(snx.S5, d_state=6, blocks=2, conj_sym=False, discretization="bilinear"),
         layers.S5(d_state=6, blocks=2, conj_sym=False, discretization="bilinear")),
     "Mamba": (functools.partial(snx.Mamba, d_state=4, d_conv=3), layers.Mamba(d_state=4, d_conv=3)),
+    "Mamba2": (functools.partial(snx.Mamba2, d_state=4, head_dim=2, n_groups=2, d_conv=3),
+               layers.Mamba2(d_state=4, head_dim=2, n_groups=2, d_conv=3)),
+    "GatedDeltaNet": (functools.partial(snx.GatedDeltaNet, num_heads=2, d_conv=3),
+                      layers.GatedDeltaNet(num_heads=2, d_conv=3)),
+    "RGLRU": (functools.partial(snx.RGLRU, num_heads=2, d_conv=3), layers.RGLRU(num_heads=2, d_conv=3)),
+    "MinGRU": (functools.partial(snx.MinGRU, d_state=6), layers.MinGRU(d_state=6)),
 }
 CAUSAL = [name for name in LAYERS if "bidirectional" not in name]
-ONE_PER_LAYER = ["LRU", "S4D", "S5", "Mamba"]
+ONE_PER_LAYER = ["LRU", "S4D", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"]
 MODES = ["sequential", "parallel", "chunked", "auto"]
 WIDTH = 4
 
@@ -145,7 +151,7 @@ def test_options_and_defaults_are_the_linen_layers(name):
   assert list(parameters) == ["features", *fields, "rngs"]
   assert {n: parameters[n].default for n in fields} == fields
   assert front_end.parameter_groups == cls.parameter_groups
-  default = front_end(WIDTH, rngs=nnx.Rngs(0))
+  default = front_end(16, rngs=nnx.Rngs(0))  # the defaults serve widths that are multiples of 16
   assert all(getattr(default, n) == value for n, value in fields.items())
 
 

@@ -44,7 +44,17 @@ LAYERS: dict[str, Callable[..., nn.Module]] = {
     "S4D": functools.partial(layers.S4D, d_state=64),
     "S5": functools.partial(layers.S5, d_state=64),
     "Mamba": functools.partial(layers.Mamba, d_state=16),
+    "Mamba2": functools.partial(layers.Mamba2, d_state=64),
+    "GatedDeltaNet": functools.partial(layers.GatedDeltaNet, num_heads=2),
+    "RGLRU": functools.partial(layers.RGLRU),
+    "MinGRU": functools.partial(layers.MinGRU),
 }
+
+
+def _configuration(layer: str) -> str:
+  """`layer` as it is built here, e.g. "Mamba(d_state=16)"; defaults are left out."""
+  keywords = ", ".join(f"{key}={value}" for key, value in LAYERS[layer].keywords.items())
+  return f"{layer}({keywords})"
 
 
 def modes(layer: str) -> tuple[str, ...]:
@@ -79,7 +89,7 @@ SUITES = {
     "full": Suite(
         (Shape(16, 256, 64), Shape(8, 2048, 64), Shape(1, 16384, 64)), (2, 8, 32), Shape(8, 256, 64)
     ),
-    "small": Suite((Shape(2, 17, 4),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE),
+    "small": Suite((Shape(2, 17, 16),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE),
                    only_layers=("LRU",)),
 }
 
@@ -280,7 +290,7 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
       f"{repeats} samples (fewer where they would take over {_timing.CELL_BUDGET_S:g} s), "
       "modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
       "(lax.associative_scan) mode's time over the mode's. Layers: "
-      + ", ".join(f"{n}(d_state={LAYERS[n].keywords['d_state']})" for n in names)
+      + ", ".join(_configuration(n) for n in names)
       + "."
   )
   print()

@@ -5,6 +5,7 @@ from ssmkit._src.data.digits import sequential_digits
 from ssmkit._src.data.induction_heads import induction_heads
 from ssmkit._src.data.listops import listops
 from ssmkit._src.data.mnist1d import mnist1d
+from ssmkit._src.data.mqar import mqar
 from ssmkit._src.data.registry import load
 from ssmkit._src.data.selective_copying import selective_copying
 
@@ -14,6 +15,7 @@ __all__ = [
     "listops",
     "load",
     "mnist1d",
+    "mqar",
     "selective_copying",
     "sequential_digits",
 ]

@@ -1,10 +1,29 @@
 """Flax linen SSM layers with whole-sequence and step-by-step modes that agree."""
 
 from ssmkit._src.layers.block import SSMBlock
+from ssmkit._src.layers.convolution import ConvRecurrentState
+from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba, MambaState
+from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
+from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
 
-__all__ = ["LRU", "S4D", "S5", "Mamba", "MambaState", "SSMBlock", "SequenceModel", "generate"]
+__all__ = [
+    "LRU",
+    "RGLRU",
+    "S4D",
+    "S5",
+    "ConvRecurrentState",
+    "GatedDeltaNet",
+    "Mamba",
+    "Mamba2",
+    "MambaState",
+    "MinGRU",
+    "SSMBlock",
+    "SequenceModel",
+    "generate",
+]

@@ -8,15 +8,29 @@
 
 from ssmkit._src.nnx.block import SSMBlock
 from ssmkit._src.nnx.convert import from_linen, to_linen
-from ssmkit._src.nnx.layers import LRU, S4D, S5, Layer, Mamba
+from ssmkit._src.nnx.layers import (
+    LRU,
+    RGLRU,
+    S4D,
+    S5,
+    GatedDeltaNet,
+    Layer,
+    Mamba,
+    Mamba2,
+    MinGRU,
+)
 from ssmkit._src.nnx.model import SequenceModel, generate
 
 __all__ = [
     "LRU",
+    "RGLRU",
     "S4D",
     "S5",
+    "GatedDeltaNet",
     "Layer",
     "Mamba",
+    "Mamba2",
+    "MinGRU",
     "SSMBlock",
     "SequenceModel",
     "from_linen",

@@ -11,12 +11,14 @@ from ssmkit._src.data.digits import sequential_digits
 from ssmkit._src.data.induction_heads import induction_heads
 from ssmkit._src.data.listops import listops
 from ssmkit._src.data.mnist1d import mnist1d
+from ssmkit._src.data.mqar import mqar
 from ssmkit._src.data.selective_copying import selective_copying
 
 _DATASETS: dict[str, Callable[..., SequenceDataset]] = {
     "induction_heads": induction_heads,
     "listops": listops,
     "mnist1d": mnist1d,
+    "mqar": mqar,
     "selective_copying": selective_copying,
     "sequential_digits": sequential_digits,
 }
@@ -26,7 +28,7 @@ def load(name: str, **kwargs: Any) -> SequenceDataset:
   """Builds the dataset called `name` with the keyword arguments of its function.
 
   Args:
-    name: one of "induction_heads", "listops", "mnist1d", "selective_copying",
+    name: one of "induction_heads", "listops", "mnist1d", "mqar", "selective_copying",
       "sequential_digits", the names of the functions of `ssmkit.data` that build them.
     **kwargs: keyword arguments of that function.
 

@@ -97,6 +97,15 @@ def constant(value: np.ndarray) -> nn.initializers.Initializer:
   return init
 
 
+def uniform(bound: float) -> nn.initializers.Initializer:
+  """U(-bound, bound): with bound 1 / sqrt(fan_in), PyTorch's default for the papers' layers."""
+
+  def init(key: Array, shape, dtype=jnp.float32) -> Array:
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+  return init
+
+
 def check_positive_int(value: Any, name: str) -> None:
   """Raises a ValueError naming `name` unless `value` is a positive int (a layer attribute)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common
+from ssmkit._src.layers.convolution import causal_conv
 from ssmkit._src.layers.selective_scan import selective_scan
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.modes import Mode
@@ -29,15 +30,6 @@ class MambaState(NamedTuple):
 
   conv: Array
   ssm: Array
-
-
-def _uniform(bound: float) -> nn.initializers.Initializer:
-  """U(-bound, bound): with bound 1 / sqrt(fan_in), PyTorch's default for the paper's layers."""
-
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-  return init
 
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float = 1e-4) -> nn.initializers.Initializer:
@@ -72,15 +64,15 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   """
   inner, n, rank = cfg.expand * features, cfg.d_state, cfg.dt_rank or math.ceil(features / 16)
   return {
-      "in_proj": common.ParamSpec((features, 2 * inner), _uniform(features**-0.5)),
-      "conv_kernel": common.ParamSpec((cfg.d_conv, inner), _uniform(cfg.d_conv**-0.5)),
-      "conv_bias": common.ParamSpec((inner,), _uniform(cfg.d_conv**-0.5)),
-      "x_proj": common.ParamSpec((inner, rank + 2 * n), _uniform(inner**-0.5)),
-      "dt_proj": common.ParamSpec((rank, inner), _uniform(rank**-0.5)),
+      "in_proj": common.ParamSpec((features, 2 * inner), common.uniform(features**-0.5)),
+      "conv_kernel": common.ParamSpec((cfg.d_conv, inner), common.uniform(cfg.d_conv**-0.5)),
+      "conv_bias": common.ParamSpec((inner,), common.uniform(cfg.d_conv**-0.5)),
+      "x_proj": common.ParamSpec((inner, rank + 2 * n), common.uniform(inner**-0.5)),
+      "dt_proj": common.ParamSpec((rank, inner), common.uniform(rank**-0.5)),
       "dt_bias": common.ParamSpec((inner,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
       "A_log": common.ParamSpec((inner, n), _a_log_init),
       "D": common.ParamSpec((inner,), nn.initializers.ones),
-      "out_proj": common.ParamSpec((inner, features), _uniform(inner**-0.5)),
+      "out_proj": common.ParamSpec((inner, features), common.uniform(inner**-0.5)),
   }
 
 
@@ -105,43 +97,6 @@ def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array) ->
   return (y * jax.nn.silu(z)) @ params["out_proj"]
 
 
-def _convolve(cfg: Any, params: dict[str, Array], v: Array, window: Array, reset: Array | None
-              ) -> tuple[Array, Array]:
-  """Causal depthwise convolution over time (axis -2) that does not reach across resets.
-
-  Args:
-    cfg: the configuration (`d_conv`).
-    params: the parameters.
-    v: `(..., T, d_inner)` inputs.
-    window: `(..., d_conv - 1, d_inner)` inputs before the first step.
-    reset: optional `(..., T)` episode starts.
-
-  Returns:
-    The `(..., T, d_inner)` convolution and the window after the last step, as `step` keeps it.
-  """
-  length, past = v.shape[-2], cfg.d_conv - 1
-  extended = jnp.concatenate([window.astype(v.dtype), v], axis=-2)
-  # Episode number of every extended step; the window belongs to the episode before any reset.
-  episode = None
-  if reset is not None:
-    episode = jnp.concatenate(
-        [jnp.zeros((*reset.shape[:-1], past), jnp.int32), jnp.cumsum(reset, axis=-1, dtype=jnp.int32)],
-        axis=-1,
-    )
-  out = common.leading_ones(params["conv_bias"], v.ndim)
-  for lag in range(cfg.d_conv):
-    earlier = extended[..., past - lag : past - lag + length, :]
-    if episode is not None:
-      same = episode[..., past - lag : past - lag + length] == episode[..., past:]
-      earlier = jnp.where(same[..., None], earlier, jnp.zeros_like(earlier))
-    out = out + earlier * common.leading_ones(params["conv_kernel"][past - lag], v.ndim)
-  window = extended[..., length:, :]
-  if episode is not None:
-    current = episode[..., length:] == episode[..., -1:]
-    window = jnp.where(current[..., None], window, jnp.zeros_like(window))
-  return out, window.astype(jnp.float32)
-
-
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
              mode: str | Mode = "auto", *, initial_state: MambaState | None = None
              ) -> tuple[Array, MambaState]:
@@ -151,7 +106,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
   common.check_initial_state(initial_state, zero)
   xf = x.astype(accumulation_dtype(x.dtype))
   v, z = _project(params, xf)
-  conv, window = _convolve(cfg, params, v, (initial_state or zero).conv, reset)
+  conv, window = causal_conv(v, params["conv_kernel"], params["conv_bias"],
+                             (initial_state or zero).conv, reset)
   u = jax.nn.silu(conv)
   dt, b, c = _selective(cfg, params, u)
   h0 = None if initial_state is None else initial_state.ssm

@@ -43,7 +43,11 @@ def _layer_width(cls: type[Layer], config: nn.Module, params: dict[str, Any]) ->
   """The input width H for which the layer's parameters have the shapes of `params`."""
   shapes = {name: tuple(np.shape(value)) for name, value in params.items()}
   for width in sorted({size for shape in shapes.values() for size in shape}):
-    if {name: spec.shape for name, spec in cls.maths.param_specs(config, width).items()} == shapes:
+    try:
+      specs = cls.maths.param_specs(config, width)
+    except ValueError:  # a width this configuration refuses (e.g. not a multiple of its heads)
+      continue
+    if {name: spec.shape for name, spec in specs.items()} == shapes:
       return width
   raise ValueError(f"`variables` do not hold the parameters of a {cls.__name__} configured as "
                    f"{_options(config)}: got shapes {shapes}.")

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from ssmkit._src.layers import common, lru, mamba, s4d, s5
+from ssmkit._src.layers import common, gated_deltanet, lru, mamba, mamba2, mingru, rglru, s4d, s5
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -173,3 +173,31 @@ class Mamba(Layer):
 
   maths = mamba
   linen = mamba.Mamba
+
+
+class Mamba2(Layer):
+  """`ssmkit.layers.Mamba2` as an NNX module: `Mamba2(features, d_state=64, ..., rngs=nnx.Rngs(0))`."""
+
+  maths = mamba2.Mamba2.maths
+  linen = mamba2.Mamba2
+
+
+class GatedDeltaNet(Layer):
+  """`ssmkit.layers.GatedDeltaNet` as an NNX module: `GatedDeltaNet(features, ..., rngs=nnx.Rngs(0))`."""
+
+  maths = gated_deltanet.GatedDeltaNet.maths
+  linen = gated_deltanet.GatedDeltaNet
+
+
+class RGLRU(Layer):
+  """`ssmkit.layers.RGLRU` as an NNX module: `RGLRU(features, ..., rngs=nnx.Rngs(0))`."""
+
+  maths = rglru.RGLRU.maths
+  linen = rglru.RGLRU
+
+
+class MinGRU(Layer):
+  """`ssmkit.layers.MinGRU` as an NNX module: `MinGRU(features, ..., rngs=nnx.Rngs(0))`."""
+
+  maths = mingru.MinGRU.maths
+  linen = mingru.MinGRU

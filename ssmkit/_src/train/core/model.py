@@ -29,7 +29,8 @@ from ssmkit._src.train.core.errors import ConfigError
 class ModelConfig:
   """The `ssmkit.layers.SequenceModel` to train; its outputs and vocabulary come from the task."""
 
-  # SSM layer of every block: the lower-case name of an ssmkit.layers class.
+  # SSM layer of every block: an ssmkit.layers class by its name in lower case, words joined by
+  # "_" (gated_deltanet for GatedDeltaNet).
   layer: str = "lru"
   # Keyword arguments of the layer class, e.g. {d_state: 64, r_min: 0.4} for ssmkit.layers.LRU;
   # each must be a field of the class, of its type.

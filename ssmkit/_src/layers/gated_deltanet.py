@@ -1,0 +1,153 @@
+"""The Gated DeltaNet layer (Yang, Kautz & Hatamizadeh, "Gated delta networks: improving Mamba2
+with delta rule", ICLR 2025): a matrix state per head that decays as Mamba-2's and is written
+with the delta rule, computed chunkwise with matrix products."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.common import ParamSpec
+from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
+from ssmkit._src.layers.mamba import dt_bias_init
+from ssmkit._src.layers.mamba2 import NORM_EPS, a_log_init
+from ssmkit._src.linear_recurrence import accumulation_dtype
+from ssmkit._src.matrix_state.delta_rule import delta_rule
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+
+# Added to the squared norm of q and k before the square root, as the reference's l2norm.
+L2_EPS = 1e-6
+
+
+def _sizes(cfg: Any, features: int) -> tuple[int, int]:
+  """(K, V): key and value channels per head."""
+  k = features // cfg.num_heads if cfg.d_state is None else cfg.d_state
+  return k, cfg.expand_v * k
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
+  """The parameters of a Gated DeltaNet layer over `features` channels, initialised as the reference."""
+  for name in ("num_heads", "expand_v", "d_conv"):
+    common.check_positive_int(getattr(cfg, name), name)
+  if cfg.d_state is None:
+    if features % cfg.num_heads:
+      raise ValueError(f"`num_heads`={cfg.num_heads} must divide the input width {features} when "
+                       "`d_state` is None.")
+  else:
+    common.check_positive_int(cfg.d_state, "d_state")
+  k, v = _sizes(cfg, features)
+  heads = cfg.num_heads
+  linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), common.uniform(fan_in**-0.5))
+  conv = lambda width: ParamSpec((cfg.d_conv, width), common.uniform(cfg.d_conv**-0.5))
+  return {
+      "q_proj": linear(features, heads * k),
+      "k_proj": linear(features, heads * k),
+      "v_proj": linear(features, heads * v),
+      "a_proj": linear(features, heads),
+      "b_proj": linear(features, heads),
+      "g_proj": linear(features, heads * v),
+      "q_conv": conv(heads * k),
+      "k_conv": conv(heads * k),
+      "v_conv": conv(heads * v),
+      "A_log": ParamSpec((heads,), a_log_init(0.0, 16.0)),
+      "dt_bias": ParamSpec((heads,), dt_bias_init(1e-3, 1e-1)),
+      "norm_scale": ParamSpec((v,), nn.initializers.ones),
+      "o_proj": linear(heads * v, features),
+  }
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
+  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and `(*batch, heads, K, V)`."""
+  *batch, features = input_shape
+  k, v = _sizes(cfg, features)
+  heads = cfg.num_heads
+  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, heads * (2 * k + v)),
+                            jnp.zeros((*batch, heads, k, v), jnp.float32))
+
+
+def _unit(x: Array) -> Array:
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
+             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+  """Gated DeltaNet over `(..., T, H)` inputs: `(y, state after the last step)`."""
+  x, reset = common.check_sequence(x, reset)
+  features = x.shape[-1]
+  state = functional.starting_state(initialize_state, cfg, x, initial_state)
+  k_dim, v_dim = _sizes(cfg, features)
+  heads = cfg.num_heads
+  xf = x.astype(accumulation_dtype(x.dtype))
+  # q, k and v each have their own convolution: one convolution over the three side by side.
+  qkv = jnp.concatenate([xf @ params[name] for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
+  kernel = jnp.concatenate([params[name] for name in ("q_conv", "k_conv", "v_conv")], axis=-1)
+  qkv, window = causal_conv(qkv, kernel, None, state.conv, reset)
+  q, k, v = jnp.split(jax.nn.silu(qkv), [heads * k_dim, 2 * heads * k_dim], axis=-1)
+  by_head = lambda m: m.reshape(*m.shape[:-1], heads, m.shape[-1] // heads)
+  q, k, v = by_head(q), by_head(k), by_head(v)
+  beta = jax.nn.sigmoid(xf @ params["b_proj"])
+  step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
+  g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
+  o, s = delta_rule(_unit(q) * k_dim**-0.5, _unit(k), v, beta, g, initial_state=state.recurrent,
+                    reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True)
+  # The output gate after a per-head RMSNorm.
+  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + NORM_EPS)
+  o = o * common.leading_ones(params["norm_scale"], o.ndim) * jax.nn.silu(by_head(xf @ params["g_proj"]))
+  y = o.reshape(*o.shape[:-2], heads * v_dim) @ params["o_proj"]
+  return y.astype(x.dtype), ConvRecurrentState(window, s)
+
+
+def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Array,
+         reset: Array | None = None) -> tuple[ConvRecurrentState, Array]:
+  """One step of Gated DeltaNet on `(*batch, H)` inputs: `(state, y_t)`."""
+  return functional.one_step(sequence, cfg, params, state, x_t, reset)
+
+
+class GatedDeltaNet(functional.LinenLayer):
+  """Gated DeltaNet: q, k, v with short convolutions, the gated delta rule per head, gated RMSNorm.
+
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. q, k (`num_heads` heads of K = `d_state`
+  channels) and v (heads of V = `expand_v` * K) are projections of the input, each through
+  a short causal convolution and SiLU; q and k are scaled to unit length and q by K^-1/2.
+  Per step and head, beta_t = sigmoid(W_beta x_t) and the decay as in Mamba-2,
+  g_t = -exp(A_log) softplus(W_a x_t + dt_bias):
+
+    S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
+
+  `ssmkit.scan.delta_rule` (every mode: "auto" computes values step by step and gradients
+  chunkwise on CPU, "chunked" and "parallel" run the chunkwise algorithm). Each head's
+  output is RMS-normalised, scaled, gated by SiLU(W_g x_t) and the heads are projected back
+  to H. `reset` clears the matrix state and the convolution windows; the state is a
+  `ConvRecurrentState` whose `recurrent` part is `(*batch, num_heads, K, V)`.
+
+  Attributes:
+    num_heads: number of heads.
+    d_state: key channels K per head (the state is K x V per head); None: H / num_heads,
+      so q and k have H channels and v 2H, as the reference allocates them without a gate.
+    expand_v: V = expand_v * K.
+    d_conv: width of the causal convolutions.
+    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    param_dtype: dtype of the parameters.
+
+  References:
+    Yang, Kautz & Hatamizadeh, "Gated delta networks: improving Mamba2 with delta rule",
+    ICLR 2025 (arXiv:2412.06464); the reference layer `fla/layers/gated_deltanet.py` of
+    flash-linear-attention.
+  """
+
+  num_heads: int = 2
+  d_state: int | None = None
+  expand_v: int = 2
+  d_conv: int = 4
+  chunk_size: int | None = None
+  param_dtype: jnp.dtype = jnp.float32
+
+  # As in the reference: the decay's parameters and the norm without weight decay.
+  parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "norm_scale"}))
+  maths = functional.Maths(param_specs, sequence, step, initialize_state)

@@ -1,0 +1,163 @@
+"""The Mamba-2 block (Dao & Gu, "Transformers are SSMs: generalized models and efficient
+algorithms through structured state space duality", ICML 2024): one scalar decay per head,
+so the selective SSM is linear attention with a decay (SSD), computed with matrix products."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.common import ParamSpec
+from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
+from ssmkit._src.layers.mamba import dt_bias_init
+from ssmkit._src.linear_recurrence import accumulation_dtype
+from ssmkit._src.matrix_state.linear_attention import linear_attention
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+
+# The gated RMSNorm's epsilon, as in the reference module.
+NORM_EPS = 1e-5
+
+
+def a_log_init(low: float, high: float) -> nn.initializers.Initializer:
+  """log A for A uniform in (low, high]: the log of one decay rate per head."""
+
+  def init(key: Array, shape, dtype=jnp.float32) -> Array:
+    return jnp.log(high - (high - low) * jax.random.uniform(key, shape, dtype))
+
+  return init
+
+
+def _sizes(cfg: Any, features: int) -> tuple[int, int, int]:
+  """(inner width, heads, width of B and C together) of a Mamba-2 block over `features`."""
+  inner = cfg.expand * features
+  return inner, inner // cfg.head_dim, 2 * cfg.n_groups * cfg.d_state
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
+  """The parameters of a Mamba-2 block over `features` channels, initialised as in the paper's code."""
+  for name in ("d_state", "d_conv", "expand", "head_dim", "n_groups"):
+    common.check_positive_int(getattr(cfg, name), name)
+  inner, heads, bc = _sizes(cfg, features)
+  if inner % cfg.head_dim:
+    raise ValueError(f"`head_dim`={cfg.head_dim} must divide the inner width expand * H = {inner}.")
+  if heads % cfg.n_groups:
+    raise ValueError(f"`n_groups`={cfg.n_groups} must divide the number of heads, {heads}.")
+  conv = inner + bc
+  # nn.Linear and nn.Conv1d initialise as U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+  return {
+      "in_proj": ParamSpec((features, 2 * inner + bc + heads), common.uniform(features**-0.5)),
+      "conv_kernel": ParamSpec((cfg.d_conv, conv), common.uniform(cfg.d_conv**-0.5)),
+      "conv_bias": ParamSpec((conv,), common.uniform(cfg.d_conv**-0.5)),
+      "dt_bias": ParamSpec((heads,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
+      "A_log": ParamSpec((heads,), a_log_init(1.0, 16.0)),
+      "D": ParamSpec((heads,), nn.initializers.ones),
+      "norm_scale": ParamSpec((inner,), nn.initializers.ones),
+      "out_proj": ParamSpec((inner, features), common.uniform(inner**-0.5)),
+  }
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
+  """The zero state for inputs `(*batch, H)`: the window of (x, B, C), and `(*batch, heads, N, P)`."""
+  *batch, features = input_shape
+  inner, heads, bc = _sizes(cfg, features)
+  return ConvRecurrentState(
+      zero_window(tuple(batch), cfg.d_conv, inner + bc),
+      jnp.zeros((*batch, heads, cfg.d_state, cfg.head_dim), jnp.float32),
+  )
+
+
+def gated_rms_norm(y: Array, gate: Array, scale: Array) -> Array:
+  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm)."""
+  y = y * jax.nn.silu(gate)
+  return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * common.leading_ones(
+      scale, y.ndim)
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
+             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+  """The Mamba-2 block over `(..., T, H)` inputs: `(y, state after the last step)`."""
+  x, reset = common.check_sequence(x, reset)
+  features = x.shape[-1]
+  state = functional.starting_state(initialize_state, cfg, x, initial_state)
+  inner, heads, bc = _sizes(cfg, features)
+  xf = x.astype(accumulation_dtype(x.dtype))
+  # The projection's order, as in the reference: [z, x, B, C, dt].
+  z, xbc, dt = jnp.split(xf @ params["in_proj"], [inner, 2 * inner + bc], axis=-1)
+  xbc, window = causal_conv(xbc, params["conv_kernel"], params["conv_bias"], state.conv, reset)
+  u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
+  u = u.reshape(*u.shape[:-1], heads, cfg.head_dim)
+  # The heads of a group share its B and C.
+  groups = lambda m: jnp.repeat(m.reshape(*m.shape[:-1], cfg.n_groups, cfg.d_state),
+                                heads // cfg.n_groups, axis=-2)
+  dt = jax.nn.softplus(dt + common.leading_ones(params["dt_bias"], dt.ndim))
+  a = -common.leading_ones(jnp.exp(params["A_log"]), dt.ndim)
+  y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,
+                            initial_state=state.recurrent, reset=reset, mode=mode,
+                            chunk_size=cfg.chunk_size, return_final_state=True)
+  y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
+  y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"])
+  return (y @ params["out_proj"]).astype(x.dtype), ConvRecurrentState(window, ssm)
+
+
+def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Array,
+         reset: Array | None = None) -> tuple[ConvRecurrentState, Array]:
+  """One step of the Mamba-2 block on `(*batch, H)` inputs: `(state, y_t)`."""
+  return functional.one_step(sequence, cfg, params, state, x_t, reset)
+
+
+class Mamba2(functional.LinenLayer):
+  """Mamba-2 block: in-projection, causal convolution, SSD over heads, gated RMSNorm, out-projection.
+
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. One projection gives z, x, B, C and dt
+  per step; x, B and C (`expand * H`, and `n_groups * d_state` each) pass a short causal
+  convolution and SiLU. x is split into heads of `head_dim` channels; per head h, with
+  dt_t = softplus(dt_t + dt_bias) and A = -exp(A_log) one number per head:
+
+    S_t = exp(dt_t A) S_{t-1} + B_t^T (dt_t x_t),    y_t = C_t S_t + D x_t,
+
+  a `(d_state, head_dim)` state S, the heads of a group sharing its B and C. This is
+  `ssmkit.scan.linear_attention(C, B, x dt, dt A)`: on CPU "auto" computes the values step
+  by step and the gradient chunkwise with matrix products (see docs/linear_attention.md),
+  "chunked" and "parallel" run the chunkwise algorithm. The output is
+  RMSNorm(y * SiLU(z)) scaled per channel, projected back to H. `reset` clears the SSM
+  state and the convolution window; the state is a `ConvRecurrentState` whose `recurrent`
+  part is `(*batch, heads, d_state, head_dim)`.
+
+  Attributes:
+    d_state: state size N per head (the size of B and C).
+    d_conv: width of the causal convolution.
+    expand: inner width = expand * H.
+    head_dim: channels P per head; must divide expand * H (32 divides it for any H that is a
+      multiple of 16).
+    n_groups: groups of heads that share B and C; must divide the number of heads.
+    dt_min: smallest initial step.
+    dt_max: largest initial step.
+    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    param_dtype: dtype of the parameters.
+
+  References:
+    Dao & Gu, "Transformers are SSMs", ICML 2024 (arXiv:2405.21060); the reference module
+    `mamba_ssm/modules/mamba2_simple.py` of state-spaces/mamba.
+  """
+
+  d_state: int = 64
+  d_conv: int = 4
+  expand: int = 2
+  head_dim: int = 32
+  n_groups: int = 1
+  dt_min: float = 1e-3
+  dt_max: float = 1e-1
+  chunk_size: int | None = None
+  param_dtype: jnp.dtype = jnp.float32
+
+  # As in the reference: A, D, the step bias and the norm at the base rate without weight decay.
+  parameter_groups = common.ParameterGroups(
+      no_decay=frozenset({"A_log", "dt_bias", "D", "conv_bias", "norm_scale"}))
+  maths = functional.Maths(param_specs, sequence, step, initialize_state)
+

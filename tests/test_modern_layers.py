@@ -1,0 +1,285 @@
+"""Mamba2, GatedDeltaNet, RGLRU and MinGRU against float64 NumPy loops written from their
+papers and reference modules (state-spaces/mamba `mamba2_simple.py` and `ssd_minimal.py`,
+flash-linear-attention `fla/layers/gated_deltanet.py`, recurrentgemma `jax/layers.py` and
+`jax/modules.py`, the minGRU paper's listings), and their initial parameters against the
+distributions those modules draw from. The shared contract (modes, steps, resets, streaming,
+gradients) is in test_layers.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssmkit import layers
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _resets(length, seed=1):
+  return np.asarray(jax.random.bernoulli(jax.random.key(seed), 0.2, (length,)))
+
+
+def _assert_close(actual, expected, rtol=1e-5):
+  scale = float(np.max(np.abs(expected)))
+  np.testing.assert_allclose(np.asarray(actual), expected, rtol=rtol, atol=rtol * scale)
+
+
+def _params64(params):
+  return {name: np.asarray(value, np.float64) for name, value in params["params"].items()}
+
+
+def _sigmoid(v):
+  return 1 / (1 + np.exp(-v))
+
+
+def _silu(v):
+  return v * _sigmoid(v)
+
+
+def _softplus(v):
+  return np.log1p(np.exp(v))
+
+
+def _rms_norm(v, eps):
+  return v / np.sqrt(np.mean(v**2, axis=-1, keepdims=True) + eps)
+
+
+class _Conv:
+  """A depthwise causal convolution kept as PyTorch's conv1d state: the last `width` inputs."""
+
+  def __init__(self, kernel, bias=None):
+    self.kernel, self.bias = kernel, bias
+    self.window = np.zeros_like(kernel)
+
+  def __call__(self, v, reset):
+    if reset:
+      self.window = np.zeros_like(self.window)
+    self.window = np.concatenate([self.window[1:], v[None]])
+    out = np.sum(self.window * self.kernel, axis=0)
+    return out if self.bias is None else out + self.bias
+
+
+def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups):
+  """Mamba2Simple's forward pass one step at a time (the recurrent form of ssd_minimal)."""
+  inner = p["norm_scale"].shape[0]
+  heads = inner // head_dim
+  conv = _Conv(p["conv_kernel"], p["conv_bias"])
+  state = np.zeros((heads, head_dim, d_state))  # ssd_minimal's (h, p, n)
+  a = -np.exp(p["A_log"])
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      state = np.zeros_like(state)
+    zxbcdt = x[t] @ p["in_proj"]
+    z, xbc, dt = np.split(zxbcdt, [inner, zxbcdt.shape[0] - heads])
+    xbc = _silu(conv(xbc, reset[t]))
+    u, b, c = np.split(xbc, [inner, inner + n_groups * d_state])
+    u = u.reshape(heads, head_dim)
+    b, c = b.reshape(n_groups, d_state), c.reshape(n_groups, d_state)
+    dt = _softplus(dt + p["dt_bias"])
+    y = np.zeros((heads, head_dim))
+    for h in range(heads):
+      g = h // (heads // n_groups)
+      state[h] = np.exp(dt[h] * a[h]) * state[h] + np.outer(u[h] * dt[h], b[g])
+      y[h] = state[h] @ c[g] + p["D"][h] * u[h]
+    y = _rms_norm(y.reshape(inner) * _silu(z), 1e-5) * p["norm_scale"]
+    ys.append(y @ p["out_proj"])
+  return np.stack(ys)
+
+
+def test_mamba2_matches_the_reference_module():
+  # Four heads in two groups; the other modes equal this one (test_layers.py).
+  layer = layers.Mamba2(d_state=5, head_dim=3, n_groups=2, d_conv=4)
+  x, reset = _x((23, 6)), _resets(23)
+  params = layer.init(jax.random.key(11), x)
+  expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
+                               head_dim=3, n_groups=2)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset), mode="chunked"), expected)
+
+
+def test_mamba2_initialisation_follows_the_reference():
+  layer = layers.Mamba2(d_state=16, head_dim=4, dt_min=0.002, dt_max=0.05)
+  params = layer.init(jax.random.key(12), _x((4, 256)))["params"]
+  heads = 2 * 256 // 4
+  a = np.exp(np.asarray(params["A_log"], np.float64))
+  assert a.shape == (heads,) and a.min() >= 1 and a.max() <= 16
+  # A ~ U[1, 16]: mean 8.5, standard deviation 15 / sqrt(12) = 4.33; 128 draws.
+  assert np.mean(a) == pytest.approx(8.5, abs=1.2)
+  dt = np.asarray(jax.nn.softplus(params["dt_bias"]), np.float64)
+  assert dt.min() >= 0.002 * (1 - 1e-4) and dt.max() <= 0.05 * (1 + 1e-4)
+  # log dt ~ U[log dt_min, log dt_max]: its mean is the midpoint (standard error 0.08).
+  assert np.mean(np.log(dt)) == pytest.approx(np.log(np.sqrt(0.002 * 0.05)), abs=0.35)
+  np.testing.assert_array_equal(params["D"], np.ones(heads))
+  np.testing.assert_array_equal(params["norm_scale"], np.ones(512))
+  # nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), standard deviation bound / sqrt(3).
+  assert params["in_proj"].shape == (256, 2 * 512 + 2 * 16 + heads)
+  assert np.abs(params["in_proj"]).max() <= 1 / 16
+  assert np.std(params["in_proj"]) == pytest.approx(1 / 16 / np.sqrt(3), rel=0.02)
+
+
+def test_mamba2_rejects_heads_that_do_not_fit():
+  x = _x((4, 16))
+  with pytest.raises(ValueError, match="`head_dim`"):
+    layers.Mamba2(head_dim=24).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="`n_groups`"):
+    layers.Mamba2(head_dim=8, n_groups=3).init(jax.random.key(0), x)
+
+
+def _gated_deltanet_reference(p, x, reset, *, num_heads):
+  """fla's GatedDeltaNet.forward with the recurrent kernel (fused_recurrent), one step at a time."""
+  head_k = p["q_proj"].shape[1] // num_heads
+  head_v = p["v_proj"].shape[1] // num_heads
+  convs = [_Conv(p[name]) for name in ("q_conv", "k_conv", "v_conv")]
+  state = np.zeros((num_heads, head_k, head_v))
+  l2norm = lambda v: v / np.sqrt(np.sum(v**2, axis=-1, keepdims=True) + 1e-6)
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      state = np.zeros_like(state)
+    q, k, v = (_silu(conv(x[t] @ p[name], reset[t]))
+               for conv, name in zip(convs, ("q_proj", "k_proj", "v_proj"), strict=True))
+    q = l2norm(q.reshape(num_heads, head_k)) * head_k**-0.5
+    k = l2norm(k.reshape(num_heads, head_k))
+    v = v.reshape(num_heads, head_v)
+    beta = _sigmoid(x[t] @ p["b_proj"])
+    g = -np.exp(p["A_log"]) * _softplus(x[t] @ p["a_proj"] + p["dt_bias"])
+    gate = (x[t] @ p["g_proj"]).reshape(num_heads, head_v)
+    o = np.zeros((num_heads, head_v))
+    for h in range(num_heads):
+      state[h] = state[h] * np.exp(g[h])
+      v_new = (v[h] - k[h] @ state[h]) * beta[h]
+      state[h] = state[h] + np.outer(k[h], v_new)
+      o[h] = q[h] @ state[h]
+    o = _rms_norm(o, 1e-5) * p["norm_scale"] * _silu(gate)
+    ys.append(o.reshape(-1) @ p["o_proj"])
+  return np.stack(ys)
+
+
+def test_gated_deltanet_matches_the_reference_layer():
+  layer = layers.GatedDeltaNet(num_heads=2, d_state=3, d_conv=4)
+  x, reset = _x((29, 6)), _resets(29)
+  params = layer.init(jax.random.key(13), x)
+  expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset, num_heads=2)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset), mode="chunked"), expected)
+
+
+def test_gated_deltanet_initialisation_follows_the_reference():
+  params = layers.GatedDeltaNet(num_heads=256).init(jax.random.key(14), _x((4, 512)))["params"]
+  a = np.exp(np.asarray(params["A_log"], np.float64))
+  # A ~ U(0, 16]: mean 8, standard error 0.29 over 256 heads.
+  assert a.min() > 0 and a.max() <= 16 and np.mean(a) == pytest.approx(8, abs=1.2)
+  dt = np.asarray(jax.nn.softplus(params["dt_bias"]), np.float64)
+  assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 1e-1 * (1 + 1e-4)
+  assert np.mean(np.log(dt)) == pytest.approx(np.log(1e-2), abs=0.35)
+  # The default key width is H / num_heads: q and k have H channels, v 2H.
+  assert params["q_proj"].shape == (512, 512) and params["v_proj"].shape == (512, 1024)
+  assert np.abs(params["o_proj"]).max() <= 1 / np.sqrt(1024)
+
+
+def _gelu(v):
+  return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
+
+
+def _rglru_reference(p, x, reset):
+  """recurrentgemma's RecurrentBlock (linear branches, Conv1D, RGLRU) one step at a time."""
+  heads, block = p["input_gate_bias"].shape
+  conv = _Conv(p["conv_kernel"], p["conv_bias"])
+  h = np.zeros(heads * block)
+  block_diagonal = lambda v, w, b: (np.einsum("hi,hij->hj", v.reshape(heads, block), w) + b).reshape(-1)
+  ys = []
+  for t in range(x.shape[0]):
+    y_branch = _gelu(x[t] @ p["y_proj"] + p["y_bias"])
+    u = conv(x[t] @ p["x_proj"] + p["x_bias"], reset[t])
+    gate_x = _sigmoid(block_diagonal(u, p["input_gate"], p["input_gate_bias"]))
+    gate_a = _sigmoid(block_diagonal(u, p["a_gate"], p["a_gate_bias"]))
+    log_a = -8.0 * gate_a * _softplus(p["a_param"])
+    a = np.exp(log_a)
+    multiplier = 1.0 if reset[t] else np.sqrt(1 - a**2)
+    h = (0.0 if reset[t] else a) * h + u * gate_x * multiplier
+    ys.append((h * y_branch) @ p["out_proj"] + p["out_bias"])
+  return np.stack(ys)
+
+
+def test_rglru_matches_the_reference_block():
+  layer = layers.RGLRU(d_state=8, num_heads=2, d_conv=4)
+  x, reset = _x((31, 6)), _resets(31)
+  params = layer.init(jax.random.key(15), x)
+  # Larger gates than at initialisation, so that a_t spreads over (0, 1).
+  params = jax.tree.map(lambda v: 3 * v, params)
+  expected = _rglru_reference(_params64(params), np.asarray(x, np.float64), reset)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset)), expected)
+
+
+def test_rglru_initialisation_follows_the_reference():
+  layer = layers.RGLRU(d_state=1024, num_heads=4, r_min=0.5, r_max=0.95)
+  params = layer.init(jax.random.key(16), _x((4, 256)))["params"]
+  a = np.exp(-np.asarray(jax.nn.softplus(np.asarray(params["a_param"], np.float64))))
+  assert a.min() >= 0.5 - 1e-6 and a.max() <= 0.95 + 1e-6
+  # Uniform on the ring: a^2 ~ U[r_min^2, r_max^2] (standard error 0.006).
+  assert np.mean(a**2) == pytest.approx((0.5**2 + 0.95**2) / 2, abs=0.03)
+  # LeCun normal for the dense and gate weights (fan-in: the whole width for the
+  # block-diagonal gates, as recurrentgemma's variance scaling counts it), N(0, 0.01 / 4)
+  # for the convolution, zero biases.
+  assert np.std(params["x_proj"]) == pytest.approx(1 / 16, rel=0.02)
+  assert params["a_gate"].shape == (4, 256, 256)
+  assert np.std(params["a_gate"]) == pytest.approx(1 / np.sqrt(1024), rel=0.02)
+  assert np.std(params["conv_kernel"]) == pytest.approx(0.05, rel=0.05)
+  np.testing.assert_array_equal(params["input_gate_bias"], np.zeros((4, 256)))
+
+
+def test_rglru_gradient_stays_finite_where_a_reaches_one():
+  """With the recurrence gate closed, a_t = 1 and d sqrt(1 - a_t^2) is capped, not infinite."""
+  layer = layers.RGLRU(num_heads=1, d_conv=2)
+  x = _x((2, 9, 4))
+  params = layer.init(jax.random.key(0), x)
+  params = {"params": {**params["params"], "a_gate_bias": jnp.full((1, 4), -200.0)}}
+  grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x) ** 2))(params)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def _mingru_reference(p, x, reset):
+  """The minGRU paper's sequential listing: h_t = (1 - z_t) h_{t-1} + z_t h~_t."""
+  h = np.zeros(p["z_bias"].shape)
+  ys = []
+  for t in range(x.shape[0]):
+    if reset is not None and reset[t]:
+      h = np.zeros_like(h)
+    z = _sigmoid(x[t] @ p["z_proj"] + p["z_bias"])
+    h_tilde = x[t] @ p["h_proj"] + p["h_bias"]
+    h = (1 - z) * h + z * h_tilde
+    ys.append(h @ p["out_proj"] if "out_proj" in p else h)
+  return np.stack(ys)
+
+
+@pytest.mark.parametrize("d_state", [None, 7])
+def test_mingru_matches_the_paper(d_state):
+  layer = layers.MinGRU(d_state=d_state)
+  x, reset = _x((27, 5)), _resets(27)
+  params = layer.init(jax.random.key(17), x)
+  expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), reset)
+  _assert_close(layer.apply(params, x, jnp.asarray(reset)), expected)
+
+
+def test_mingru_linear_recurrence_is_accurate_over_long_sequences():
+  """The reason for the paper's log-space form, gates near 0 and 1 over thousands of steps,
+  costs the linear recurrence no accuracy: float32 matches the float64 loop."""
+  layer = layers.MinGRU()
+  x = _x((8192, 4), seed=3)
+  params = layer.init(jax.random.key(18), x)
+  params = {"params": {**params["params"], "z_proj": 8 * params["params"]["z_proj"]}}
+  z = jax.nn.sigmoid(x @ params["params"]["z_proj"] + params["params"]["z_bias"][None])
+  assert float(jnp.min(z)) < 1e-6 and float(jnp.max(z)) > 1 - 1e-6
+  expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), None)
+  for mode in ["sequential", "parallel"]:
+    _assert_close(layer.apply(params, x, mode=mode), expected, rtol=1e-5)
+
+
+def test_mingru_initialisation_is_pytorch_linear():
+  params = layers.MinGRU(d_state=300).init(jax.random.key(19), _x((4, 100)))["params"]
+  for name in ("z_proj", "h_proj", "z_bias", "h_bias"):
+    assert np.abs(params[name]).max() <= 0.1
+  assert np.std(params["z_proj"]) == pytest.approx(0.1 / np.sqrt(3), rel=0.03)
+  assert np.abs(params["out_proj"]).max() <= 1 / np.sqrt(300)
+  assert "out_proj" not in layers.MinGRU().init(jax.random.key(19), _x((4, 100)))["params"]
