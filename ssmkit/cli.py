@@ -87,8 +87,8 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
     if name == "layers":
       parser.add_argument(
           "--layers", nargs="+", metavar="LAYER",
-          help="only these layers (LRU, S4D, S5, Mamba); the depth sweep runs when LRU is "
-          "among them; default: every layer of the suite",
+          help="only these layers, by class name (LRU, Mamba2, GatedDeltaNet, ...); the depth "
+          "sweep runs when LRU is among them; default: every layer of the suite",
       )
     parser.set_defaults(run=_run_benchmark)
   text = (f"every benchmark above ({', '.join(_BENCHMARKS)}) in one run: each table printed as "
