@@ -338,6 +338,7 @@ SMALL_DATA = {
     "mnist1d": ("data.kwargs.num_samples=200",),
     "sequential_digits": (),  # 1797 sequences in all: small already
     "selective_copying": ("data.kwargs={num_train: 64, num_test: 16, length: 20, num_tokens: 4}",),
+    "mqar": ("data.kwargs={num_train: 64, num_test: 16, length: 16, num_pairs: 2, vocab_size: 16}",),
 }
 SMALL_MODEL = (
     "data.batch_size=16",
