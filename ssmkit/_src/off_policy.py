@@ -136,7 +136,8 @@ def _vtrace_errors(
     c = jnp.where(sample_mask, c, 1)
     if traj.truncated is not None:
       c = jnp.where(traj.truncated, 0, c)
-  errors = linear_recurrence((discounts, c), deltas, reverse=True, axis=traj.axis, mode=mode)
+  errors = linear_recurrence((discounts, c), deltas, reverse=True, axis=traj.axis, mode=mode,
+                             overwrite_b=True)  # the TD errors are computed here
   if stop_target_gradients:
     return lax.stop_gradient(errors + v_tm1) - v_tm1
   return errors
@@ -297,7 +298,8 @@ def _retrace_errors(
   length = c.shape[traj.axis]
   c = jnp.where(lax.broadcasted_iota(jnp.int32, c.shape, traj.axis) == length - 1, 0, c)
   inputs = traj.rewards + traj.discounts * (expected_q_t - c * qa_t)
-  targets = linear_recurrence((traj.discounts, c), inputs, reverse=True, axis=traj.axis, mode=mode)
+  targets = linear_recurrence((traj.discounts, c), inputs, reverse=True, axis=traj.axis, mode=mode,
+                              overwrite_b=True)  # the inputs are computed here
   if stop_target_gradients:
     targets = lax.stop_gradient(targets)
   return (targets - qa_tm1).astype(traj.out_dtype)
