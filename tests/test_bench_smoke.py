@@ -148,8 +148,8 @@ def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys)
   status = cli.main(["bench", "linear-attention", "--shapes", "small", "--repeats", "2"])
   out = capsys.readouterr().out
   assert status == 0
-  for name in ("lax.scan", "quadratic", "ssmkit auto", "ssmkit sequential", "ssmkit chunked",
-               "ssmkit parallel"):
+  for name in ("lax.scan", "quadratic", "chunked autodiff", "ssmkit auto", "ssmkit sequential",
+               "ssmkit chunked", "ssmkit parallel"):
     assert f" {name} " in out
   for function in ("linear_attention", "delta_rule"):
     assert re.search(rf"^{function} +B=2 T=70 H=1 K=V=4 ", out, re.MULTILINE)

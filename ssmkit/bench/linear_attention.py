@@ -6,9 +6,10 @@ the gradient of sum(o * w) with respect to every input (w ~ N(0, 1)) are timed, 
 XLA temporary memory and compile time of the gradient are reported. The baselines are
 what a user writes by hand: a `lax.scan` over the (K, V) state, differentiated by
 autodiff, and, for linear attention, the quadratic masked-attention form (skipped where
-its T x T matrices would pass `_QUADRATIC_MAX_BYTES`). Every method is first checked
-against the `lax.scan` result, so the table compares equal results. Each shape's rows are
-printed as soon as they are measured.
+its T x T matrices would pass `_QUADRATIC_MAX_BYTES`) and the chunkwise form of mamba's
+`ssd_minimal.py` with a `lax.scan` between chunks, differentiated by autodiff. Every method
+is first checked against the `lax.scan` result, so the table compares equal results. Each
+shape's rows are printed as soon as they are measured.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ Array = jax.Array
 
 SCAN = "lax.scan"
 QUADRATIC = "quadratic"
+CHUNKED_AUTODIFF = "chunked autodiff"
 AUTO = "ssmkit auto"
 MODES = ("auto", "sequential", "chunked", "parallel")
 
 _RTOL = 1e-2  # agreement with lax.scan, relative to the largest magnitude (TF32 on GPUs)
 _QUADRATIC_MAX_BYTES = 2**30
+_HAND_CHUNK = 64  # chunk size of the hand-written chunkwise baseline
 
 # Acceptance criteria at `Suite.judged`.
 _MAX_FORWARD_VS_BEST = 1.15  # linear attention, auto forward over the better baseline
@@ -110,11 +113,43 @@ def _quadratic(q, k, v, g, beta):
   return jnp.einsum("bhts,bshv->bthv", weights, v)
 
 
+def _chunked_autodiff(q, k, v, g, beta):
+  """SSD's chunkwise form as users write it (mamba's `ssd_minimal.py`), differentiated by JAX.
+
+  Chunks of 64 steps (T zero-padded to a multiple): inside a chunk the masked, decayed
+  product; between chunks a `lax.scan` over the (K, V) state. Autodiff keeps what the
+  forward pass made: the chunks' C x C matrices and one state per chunk.
+  """
+  del beta
+  batch, length, heads, _ = q.shape
+  size = min(_HAND_CHUNK, length)
+  count = -(-length // size)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, count * size - length)] + [(0, 0)] * (x.ndim - 2))
+  # (B, T, H, ...) -> (B, H, n, C, ...)
+  chunk = lambda x: jnp.moveaxis(pad(x).reshape(batch, count, size, heads, *x.shape[3:]), 3, 1)
+  q, k, v, g = map(chunk, (q, k, v, g))
+  b = jnp.cumsum(g, axis=-1)
+  causal = jnp.tril(jnp.ones((size, size), bool))
+  decay = jnp.exp(jnp.where(causal, b[..., :, None] - b[..., None, :], -jnp.inf))
+  intra = jnp.einsum("bhncs,bhnse->bhnce", jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay, v)
+  written = jnp.einsum("bhnsd,bhnse->nbhde", k * jnp.exp(b[..., -1:] - b)[..., None], v)
+
+  def step(state, x):
+    decay_n, written_n = x
+    return decay_n[..., None, None] * state + written_n, state
+
+  _, entering = lax.scan(step, jnp.zeros(written.shape[1:], written.dtype),
+                         (jnp.moveaxis(jnp.exp(b[..., -1]), 2, 0), written))
+  out = intra + jnp.einsum("bhncd,nbhde->bhnce", q * jnp.exp(b)[..., None], entering)
+  return jnp.moveaxis(out, 1, 3).reshape(batch, count * size, heads, -1)[:, :length]
+
+
 def _methods(function: str, shape: Shape) -> dict[str, Method]:
   if function == "linear_attention":
     methods = {SCAN: _scan_linear_attention}
     if shape.batch * shape.heads * shape.length**2 * 4 <= _QUADRATIC_MAX_BYTES:
       methods[QUADRATIC] = _quadratic
+    methods[CHUNKED_AUTODIFF] = _chunked_autodiff
     ours = lambda mode: lambda q, k, v, g, beta: linear_attention(q, k, v, g, mode=mode)
   else:
     methods = {SCAN: _scan_delta_rule}
