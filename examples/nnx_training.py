@@ -28,7 +28,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
 
-@nnx.jit
+# graph=False: the modules pass as pytrees, which skips nnx.jit's walk of the module graph
+# on every call (about a millisecond for this model); the Variables are updated in place as in
+# the default graph mode.
+@nnx.jit(graph=False, graph_updates=False)
 def train_step(model: ssmkit.nnx.SequenceModel, optimizer: nnx.Optimizer, x: jax.Array,
                y: jax.Array) -> jax.Array:
   """One AdamW step on a batch; the model's BatchNorm averages and dropout stream move on too."""
@@ -37,7 +40,7 @@ def train_step(model: ssmkit.nnx.SequenceModel, optimizer: nnx.Optimizer, x: jax
   return loss
 
 
-@nnx.jit
+@nnx.jit(graph=False, graph_updates=False)
 def accuracy(model: ssmkit.nnx.SequenceModel, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
 

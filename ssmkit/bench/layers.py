@@ -218,7 +218,7 @@ class FrontEndResult:
   backward_s: float
 
 
-FRONT_ENDS = ("linen (jax.jit)", "nnx (nnx.jit)", "nnx (split, jax.jit)")
+FRONT_ENDS = ("linen (jax.jit)", "nnx (nnx.jit)", "nnx (nnx.jit, graph=False)", "nnx (split, jax.jit)")
 
 
 def _bench_front_ends(shape: Shape, blocks: int, repeats: int, key: Array) -> list[FrontEndResult]:
@@ -234,17 +234,20 @@ def _bench_front_ends(shape: Shape, blocks: int, repeats: int, key: Array) -> li
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   linen_loss = lambda params, x: cross_entropy(module.apply({"params": params}, x))
   split_loss = lambda params, x: cross_entropy(nnx.merge(graphdef, params, rest)(x))
+  nnx_loss = lambda model, x: cross_entropy(model(x))
+  tree_mode = {"graph": False, "graph_updates": False}  # modules as pytrees: no graph walk
   forward = {
       FRONT_ENDS[0]: functools.partial(jax.jit(module.apply), variables, x),
       FRONT_ENDS[1]: functools.partial(nnx.jit(lambda model, x: model(x)), model, x),
-      FRONT_ENDS[2]: functools.partial(jax.jit(lambda params, x: nnx.merge(graphdef, params, rest)(x)),
+      FRONT_ENDS[2]: functools.partial(nnx.jit(lambda model, x: model(x), **tree_mode), model, x),
+      FRONT_ENDS[3]: functools.partial(jax.jit(lambda params, x: nnx.merge(graphdef, params, rest)(x)),
                                        params, x),
   }
   gradient = {
       FRONT_ENDS[0]: functools.partial(jax.jit(jax.grad(linen_loss)), variables["params"], x),
-      FRONT_ENDS[1]: functools.partial(nnx.jit(nnx.grad(lambda model, x: cross_entropy(model(x)))),
-                                       model, x),
-      FRONT_ENDS[2]: functools.partial(jax.jit(jax.grad(split_loss)), params, x),
+      FRONT_ENDS[1]: functools.partial(nnx.jit(nnx.grad(nnx_loss)), model, x),
+      FRONT_ENDS[2]: functools.partial(nnx.jit(nnx.grad(nnx_loss), **tree_mode), model, x),
+      FRONT_ENDS[3]: functools.partial(jax.jit(jax.grad(split_loss)), params, x),
   }
   want = np.asarray(forward[FRONT_ENDS[0]]())
   for name, run in forward.items():
@@ -317,8 +320,9 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
   print()
   print(f"A {blocks}-block LRU classifier at {suite.model_shape}, the same parameters through each "
         "front end: forward, and gradient of the cross-entropy; / linen: the time over linen's. "
-        "nnx.jit walks the module's graph in Python on every call; the split form (nnx.split "
-        "once, nnx.merge inside jax.jit, Flax's advice for hot loops) does not.")
+        "nnx.jit walks the module's graph in Python on every call; with graph=False it "
+        "flattens the modules as pytrees instead, and the split form (nnx.split once, "
+        "nnx.merge inside jax.jit) passes only arrays.")
   print()
   for _ in _timing.within_budget(["front ends"], "layers front ends"):
     print(_front_end_table(_bench_front_ends(suite.model_shape, blocks, repeats, jax.random.key(0)),
