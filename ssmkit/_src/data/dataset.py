@@ -51,6 +51,21 @@ class SequenceDataset:
   mask_train: np.ndarray | None = None
   mask_test: np.ndarray | None = None
 
+  @classmethod
+  def split(cls, x: np.ndarray, y: np.ndarray, num_train: int, *, num_classes: int,
+            vocab_size: int | None = None, mask: np.ndarray | None = None) -> SequenceDataset:
+    """The first `num_train` sequences of `x`, `y` (and `mask`) for training, the rest for testing."""
+    return cls(
+        x_train=x[:num_train],
+        y_train=y[:num_train],
+        x_test=x[num_train:],
+        y_test=y[num_train:],
+        num_classes=num_classes,
+        vocab_size=vocab_size,
+        mask_train=None if mask is None else mask[:num_train],
+        mask_test=None if mask is None else mask[num_train:],
+    )
+
   def __post_init__(self) -> None:
     check_int(self.num_classes, "num_classes", minimum=1)
     if self.vocab_size is not None:

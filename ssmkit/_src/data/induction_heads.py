@@ -65,11 +65,4 @@ def induction_heads(
   x[:, -1] = _SPECIAL
   y = np.full_like(x, -1)
   y[:, -1] = x[rows, first + 1]
-  return SequenceDataset(
-      x_train=x[:num_train],
-      y_train=y[:num_train],
-      x_test=x[num_train:],
-      y_test=y[num_train:],
-      num_classes=vocab_size,
-      vocab_size=vocab_size,
-  )
+  return SequenceDataset.split(x, y, num_train, num_classes=vocab_size, vocab_size=vocab_size)

@@ -143,14 +143,5 @@ def listops(
   for i in range(num):
     tokens, y[i] = sampler.sample()
     x[i, : len(tokens)] = tokens
-  mask = x != _PAD
-  return SequenceDataset(
-      x_train=x[:num_train],
-      y_train=y[:num_train],
-      x_test=x[num_train:],
-      y_test=y[num_train:],
-      num_classes=_NUM_CLASSES,
-      vocab_size=_VOCAB_SIZE,
-      mask_train=mask[:num_train],
-      mask_test=mask[num_train:],
-  )
+  return SequenceDataset.split(x, y, num_train, num_classes=_NUM_CLASSES, vocab_size=_VOCAB_SIZE,
+                               mask=x != _PAD)

@@ -96,11 +96,4 @@ def mqar(
   y = np.full((num, length), -1)
   np.put_along_axis(y, queries, values, axis=1)
   x, y = x.astype(np.int32), y.astype(np.int32)
-  return SequenceDataset(
-      x_train=x[:num_train],
-      y_train=y[:num_train],
-      x_test=x[num_train:],
-      y_test=y[num_train:],
-      num_classes=vocab_size,
-      vocab_size=vocab_size,
-  )
+  return SequenceDataset.split(x, y, num_train, num_classes=vocab_size, vocab_size=vocab_size)

@@ -76,11 +76,4 @@ def selective_copying(
   x[:, length:] = _MARKER
   y = np.full_like(x, -1)
   y[:, length:] = data
-  return SequenceDataset(
-      x_train=x[:num_train],
-      y_train=y[:num_train],
-      x_test=x[num_train:],
-      y_test=y[num_train:],
-      num_classes=vocab_size,
-      vocab_size=vocab_size,
-  )
+  return SequenceDataset.split(x, y, num_train, num_classes=vocab_size, vocab_size=vocab_size)

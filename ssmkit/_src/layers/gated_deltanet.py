@@ -14,7 +14,7 @@ from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.mamba import dt_bias_init
-from ssmkit._src.layers.mamba2 import NORM_EPS, a_log_init
+from ssmkit._src.layers.mamba2 import a_log_init, rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.modes import Mode
@@ -97,8 +97,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   o, s = delta_rule(_unit(q) * k_dim**-0.5, _unit(k), v, beta, g, initial_state=state.recurrent,
                     reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True)
   # The output gate after a per-head RMSNorm.
-  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + NORM_EPS)
-  o = o * common.leading_ones(params["norm_scale"], o.ndim) * jax.nn.silu(by_head(xf @ params["g_proj"]))
+  o = rms_norm(o, params["norm_scale"]) * jax.nn.silu(by_head(xf @ params["g_proj"]))
   y = o.reshape(*o.shape[:-2], heads * v_dim) @ params["o_proj"]
   return y.astype(x.dtype), ConvRecurrentState(window, s)
 

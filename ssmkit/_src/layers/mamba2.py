@@ -72,11 +72,15 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentSta
   )
 
 
-def gated_rms_norm(y: Array, gate: Array, scale: Array) -> Array:
-  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm)."""
-  y = y * jax.nn.silu(gate)
+def rms_norm(y: Array, scale: Array) -> Array:
+  """RMSNorm over the last axis, scaled per channel by `scale`."""
   return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * common.leading_ones(
       scale, y.ndim)
+
+
+def gated_rms_norm(y: Array, gate: Array, scale: Array) -> Array:
+  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm)."""
+  return rms_norm(y * jax.nn.silu(gate), scale)
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
