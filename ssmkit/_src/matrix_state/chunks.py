@@ -41,34 +41,45 @@ class Chunks(NamedTuple):
   reset: Array | None
 
 
-def split(x: Inputs, size: int, group: int | None = None) -> Chunks:
-  """Splits `(Z, T, H, ...)` inputs into chunks of `size` steps, zero-padding the last.
+def pad(x: Inputs, size: int) -> Inputs:
+  """`x` with time zero-padded to whole chunks of `size` steps (a no-op if it has them).
 
-  Without `group` the layout is `Chunks`'s, `(Z, H, n, C, ...)`. With `group` G (dividing
-  n), groups of G chunks lead, `(n / G, Z, H, G, C, ...)`, for a loop over groups. Either
-  takes one transpose of each input.
+  The padding steps leave the state unchanged: zero keys, values, write strengths and
+  log-decays, no reset.
   """
+  extra = -x.q.shape[1] % size
+  if extra == 0:
+    return x
+  grow = lambda a: None if a is None else jnp.pad(
+      a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
+  return x._replace(q=grow(x.q), k=grow(x.k), v=grow(x.v), log_decay=grow(x.log_decay),
+                    beta=grow(x.beta), reset=grow(x.reset))
+
+
+def split(x: Inputs, size: int, start=0, length: int | None = None) -> Chunks:
+  """Chunks of `size` steps of the `length` steps of `x` from `start`, `(Z, H, n, C, ...)`.
+
+  `length` (default: all of `x`'s steps) must be a multiple of `size` that fits in `x`
+  (`pad`); `start` may be traced, so a loop can take one window of chunks per iteration
+  without moving the whole sequence into the chunk layout first.
+  """
+  length = x.q.shape[1] if length is None else length
 
   def one(a: Array | None) -> Array | None:
     if a is None:
       return None
-    length = a.shape[1]
-    count = -(-length // size)
-    a = jnp.pad(a, [(0, 0), (0, count * size - length)] + [(0, 0)] * (a.ndim - 2))
-    if group is None:
-      a = a.reshape((a.shape[0], count, size, *a.shape[2:]))  # (Z, n, C, H, ...)
-      return a.transpose((0, 3, 1, 2, *range(4, a.ndim)))
-    a = a.reshape((a.shape[0], count // group, group, size, *a.shape[2:]))  # (Z, m, G, C, H, ...)
-    return a.transpose((1, 0, 4, 2, 3, *range(5, a.ndim)))
+    a = lax.dynamic_slice_in_dim(a, start, length, axis=1)
+    a = a.reshape((a.shape[0], length // size, size, *a.shape[2:]))  # (Z, n, C, H, ...)
+    return a.transpose((0, 3, 1, 2, *range(4, a.ndim)))
 
   reset = None if x.reset is None else x.reset[:, :, None]  # a unit head axis
   return Chunks(one(x.q), one(x.k), one(x.v), one(x.log_decay), one(x.beta), one(reset))
 
 
-def merge(out: Array, length: int, grouped: bool = False) -> Array:
-  """`(Z, H, n, C, V)` (or grouped `(m, Z, H, G, C, V)`) outputs -> `(Z, T, H, V)`, unpadded."""
-  out = out.transpose((1, 0, 3, 4, 2, 5) if grouped else (0, 2, 3, 1, 4))  # (Z, [m,] n, C, H, V)
-  return out.reshape((out.shape[0], -1, *out.shape[-2:]))[:, :length]
+def merge(out: Array) -> Array:
+  """`(Z, H, n, C, V)` outputs -> `(Z, n * C, H, V)`."""
+  out = out.transpose((0, 2, 3, 1, 4))  # (Z, n, C, H, V)
+  return out.reshape((out.shape[0], -1, *out.shape[-2:]))
 
 
 class Segments(NamedTuple):

@@ -62,7 +62,7 @@ def read_out(
 
   Args:
     a: `(Z, H, n, ., .)` each chunk's transition of the state (row decays or matrices).
-    u: `(n, Z, H, K, V)` the state each chunk leaves from a zero entering state.
+    u: `(Z, H, n, K, V)` the state each chunk leaves from a zero entering state.
     query: `(Z, H, n, C, K)` what reads the entering state into each step's output.
     intra: `(Z, H, n, C, V)` each step's output from its own chunk.
     seg: the chunks' segments.
@@ -71,75 +71,83 @@ def read_out(
     precision: matmul precision.
 
   Returns:
-    The chunk-first maps, and a function from the `(n, Z, H, K, V)` states entering the
+    The chunks' maps, and a function from the `(Z, H, n, K, V)` states entering the
     chunks to the `(Z, H, n, C, V)` outputs.
   """
   poisoned = None if bad is None else chunks.poisoned(bad, reset)
   if poisoned is not None:
-    u = jnp.where(jnp.moveaxis(poisoned[..., -1], 2, 0)[..., None, None], jnp.nan, u)
-  maps = state_pass.Maps(
-      jnp.moveaxis(a, 2, 0), u, None if seg.cut is None else jnp.moveaxis(seg.cut, 2, 0)
-  )
+    u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
+  maps = state_pass.Maps(a, u, seg.cut)
 
   def outputs(entering: Array) -> Array:
-    carried = jnp.einsum("zhncd,nzhde->zhnce", query, entering, precision=precision)
+    carried = jnp.einsum("zhncd,zhnde->zhnce", query, entering, precision=precision)
     out = intra + chunks.masked(carried, seg.first)
     return out if poisoned is None else jnp.where(poisoned[..., None], jnp.nan, out)
 
   return maps, outputs
 
 
-_GROUP = 4  # chunks per iteration of the chunked loop: fewer, larger operations on CPU
+# A window of the chunked loop holds about this many (chunk, batch row, head) matrices,
+# at most `_MAX_GROUP` chunks per row: operations large enough to run near the matmul
+# peak on CPU, windows small enough to stay in cache (measured with `ssmkit bench
+# linear-attention`).
+_WINDOW_MATRICES = 32
+_MAX_GROUP = 8
 
 
-def _group_size(count: int) -> int:
-  return max(g for g in range(1, _GROUP + 1) if count % g == 0)
+def _windows(x: Inputs, size: int) -> tuple[Inputs, int, Array]:
+  """`x` padded to whole chunks, the steps of a window of chunks, and the windows' starts.
+
+  A loop takes one window per iteration straight from the `(Z, T, H, ...)` layout, so
+  only a window at a time is ever moved into the chunk layout, and no full-length copy
+  of the inputs or the outputs is made (beyond padding a partial last chunk).
+  """
+  padded = chunks.pad(x, size)
+  length = padded.q.shape[1]
+  most = min(_MAX_GROUP, max(1, _WINDOW_MATRICES // (x.q.shape[0] * x.q.shape[2])))
+  span = size * max(g for g in range(1, most + 1) if length // size % g == 0)
+  return padded, span, jnp.arange(0, length, span)
 
 
 def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
-  """Groups of chunks one after another, each rematerialised in the backward pass."""
+  """Windows of chunks one after another, each rematerialised in the backward pass."""
+  padded, span, starts = _windows(x, size)
 
-  def body(s, group):
-    maps, outputs = chunk_maps(group, precision)
+  def body(carry, start):
+    s, out = carry
+    maps, outputs = chunk_maps(chunks.split(padded, size, start, span), precision)
     entering = []
-    for i in range(maps.u.shape[0]):
+    for i in range(span // size):
       entering.append(s)
-      s = state_pass.apply(state_pass.Maps(*(None if a is None else a[i] for a in maps)), s,
-                           matrix=matrix, precision=precision)
-    return s, outputs(jnp.stack(entering))
+      s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
+    window = chunks.merge(outputs(jnp.stack(entering, axis=2)))
+    return (s, lax.dynamic_update_slice_in_dim(out, window, start, axis=1)), None
 
-  count = -(-x.q.shape[1] // size)
-  groups = chunks.split(x, size, _group_size(count))
-  final, out = lax.scan(jax.checkpoint(body), x.state, groups)
-  return chunks.merge(out, x.q.shape[1], grouped=True), final
+  (final, out), _ = lax.scan(jax.checkpoint(body), (x.state, jnp.zeros_like(padded.v)), starts)
+  return out[:, :x.q.shape[1]], final
 
 
 def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
   """Every chunk at once, the chunk maps combined as a tree."""
-  maps, outputs = chunk_maps(chunks.split(x, size), precision)
+  maps, outputs = chunk_maps(chunks.split(chunks.pad(x, size), size), precision)
   entering, final = state_pass.run(maps, x.state, matrix=matrix, precision=precision)
-  return chunks.merge(outputs(entering), x.q.shape[1]), final
+  return chunks.merge(outputs(entering))[:, :x.q.shape[1]], final
 
 
 def _device_map(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, tree: bool,
                 precision) -> state_pass.Maps:
   """The map this device's slice applies to the state entering it."""
+  fold = lambda c: state_pass.fold(chunk_maps(c, precision)[0], matrix=matrix,
+                                   precision=precision)
   if tree:
-    return state_pass.fold(chunk_maps(chunks.split(x, size), precision)[0], matrix=matrix,
-                           precision=precision)
+    return fold(chunks.split(chunks.pad(x, size), size))
+  padded, span, starts = _windows(x, size)
+  map_of = jax.checkpoint(lambda start: fold(chunks.split(padded, size, start, span)))
 
-  @jax.checkpoint
-  def map_of(group):
-    return state_pass.fold(chunk_maps(group, precision)[0], matrix=matrix, precision=precision)
+  def body(m, start):
+    return state_pass.compose(m, map_of(start), matrix=matrix, precision=precision), None
 
-  def body(m, group):
-    return state_pass.compose(m, map_of(group), matrix=matrix, precision=precision), None
-
-  count = -(-x.q.shape[1] // size)
-  groups = chunks.split(x, size, _group_size(count))
-  first = map_of(chunks.Chunks(*(None if a is None else a[0] for a in groups)))
-  rest = chunks.Chunks(*(None if a is None else a[1:] for a in groups))
-  return lax.scan(body, first, rest)[0]
+  return lax.scan(body, map_of(starts[0]), starts[1:])[0]
 
 
 def evaluate(

@@ -62,8 +62,9 @@ def _chunk_maps(c: chunks.Chunks, precision):
   else:
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
-    interact = kk * chunks.pairwise_decay(b, seg.strict)
-    weights = qk * chunks.pairwise_decay(b, seg.causal)
+    decay = chunks.pairwise_decay(b, seg.causal)
+    interact = jnp.where(seg.strict, kk * decay, 0)
+    weights = qk * decay
     k_in = k * jnp.exp(b)[..., None]
     q_in = q * jnp.exp(b)[..., None]
     k_out = k * jnp.exp(total[..., None] - b)[..., None]
@@ -76,7 +77,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
   k_out = chunks.masked(k_out, seg.last)
   eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None, None]
   m = a * eye - jnp.einsum("zhnsd,zhnse->zhnde", k_out, w, precision=precision)
-  u = jnp.einsum("zhnsd,zhnse->nzhde", k_out, u_zero, precision=precision)
+  u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, u_zero, precision=precision)
   # o = weights (U - W S_0) + exp(b) q S_0 = weights U + (exp(b) q - weights W) S_0: the
   # entering state is read once, through a query per step.
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, u_zero, precision=precision)

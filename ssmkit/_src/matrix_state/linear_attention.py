@@ -92,7 +92,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
       k_out = k * jnp.exp(total[:, :, :, None] - b)
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
-  u = jnp.einsum("zhnsd,zhnse->nzhde", chunks.masked(k_out, seg.last), v, precision=precision)
+  u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
   return common.read_out(a, u, q_in, intra, seg, bad, reset, precision)
 
 

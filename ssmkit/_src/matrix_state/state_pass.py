@@ -23,12 +23,13 @@ Array = jax.Array
 
 
 class Maps(NamedTuple):
-  """Maps S -> A S + U, with any leading axes (one map per chunk or device).
+  """Maps S -> A S + U: one per batch row and head, `(Z, H, ...)`, or one per chunk of
+  each, `(Z, H, n, ...)` (the chunk axis in place, third), or with leading axes.
 
   Attributes:
-    a: `(..., Z, H, K, 1)`/`(..., Z, H, 1, 1)` row decays, or `(..., Z, H, K, K)` matrices.
-    u: `(..., Z, H, K, V)` the state the map gives for a zero entering state.
-    cut: `(..., Z, 1)` True where the map ignores the entering state, or None.
+    a: `(Z, H, [n,] K, 1)`/`(Z, H, [n,] 1, 1)` row decays, or `(Z, H, [n,] K, K)` matrices.
+    u: `(Z, H, [n,] K, V)` the state the map gives for a zero entering state.
+    cut: `(Z, 1[, n])` True where the map ignores the entering state, or None.
   """
 
   a: Array
@@ -65,32 +66,38 @@ def compose(first: Maps, second: Maps, *, matrix: bool, precision=None) -> Maps:
   )
 
 
+def chunk(maps: Maps, i: int) -> Maps:
+  """The map of chunk `i` of `(Z, H, n, ...)` maps."""
+  return Maps(*(None if x is None else x[:, :, i] for x in maps))
+
+
 def _prefixes(maps: Maps, matrix: bool, precision) -> Maps:
-  """Every prefix composition of chunk-first `maps`, as a tree of depth log n."""
+  """Every prefix composition of `(Z, H, n, ...)` maps, as a tree of depth log n."""
   combine = lambda x, y: tuple(compose(Maps(*x), Maps(*y), matrix=matrix, precision=precision))
-  return Maps(*lax.associative_scan(combine, tuple(maps)))
+  return Maps(*lax.associative_scan(combine, tuple(maps), axis=2))
 
 
 def run(maps: Maps, state: Array, *, matrix: bool, precision=None) -> tuple[Array, Array]:
   """The states entering each of n chunks and the state after the last, as a tree.
 
   Args:
-    maps: the chunks' maps, chunk axis first.
+    maps: the chunks' maps, `(Z, H, n, ...)`.
     state: `(Z, H, K, V)` state entering the first chunk.
     matrix: whether `maps.a` are `(K, K)` matrices (else row decays).
     precision: matmul precision of the matrix maps.
 
   Returns:
-    `(entering, final)`: `(n, Z, H, K, V)` states entering each chunk, and `(Z, H, K, V)`.
+    `(entering, final)`: `(Z, H, n, K, V)` states entering each chunk, and `(Z, H, K, V)`.
   """
-  leaving = apply(_prefixes(maps, matrix, precision), state[None], matrix=matrix,
+  state = state[:, :, None]
+  leaving = apply(_prefixes(maps, matrix, precision), state, matrix=matrix,
                   precision=precision)
-  return jnp.concatenate([state[None], leaving[:-1]]), leaving[-1]
+  return jnp.concatenate([state, leaving[:, :, :-1]], axis=2), leaving[:, :, -1]
 
 
 def fold(maps: Maps, *, matrix: bool, precision=None) -> Maps:
-  """The map of all the chunk-first `maps` one after another."""
-  return Maps(*(None if x is None else x[-1] for x in _prefixes(maps, matrix, precision)))
+  """The map of all the `(Z, H, n, ...)` maps one after another."""
+  return chunk(_prefixes(maps, matrix, precision), -1)
 
 
 def across_devices(
