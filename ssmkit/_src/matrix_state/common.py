@@ -88,11 +88,11 @@ def read_out(
 
 
 # A window of the chunked loop holds about this many (chunk, batch row, head) matrices,
-# at most `_MAX_GROUP` chunks per row: operations large enough to run near the matmul
-# peak on CPU, windows small enough to stay in cache (measured with `ssmkit bench
-# linear-attention`).
+# 2 to 8 chunks per row: operations large enough to run near the matmul peak on CPU,
+# windows small enough to stay in cache (measured with `ssmkit bench linear-attention`
+# and `ssmkit bench layers`).
 _WINDOW_MATRICES = 32
-_MAX_GROUP = 8
+_GROUP_RANGE = (2, 8)
 
 
 def _windows(x: Inputs, size: int) -> tuple[Inputs, int, Array]:
@@ -104,7 +104,8 @@ def _windows(x: Inputs, size: int) -> tuple[Inputs, int, Array]:
   """
   padded = chunks.pad(x, size)
   length = padded.q.shape[1]
-  most = min(_MAX_GROUP, max(1, _WINDOW_MATRICES // (x.q.shape[0] * x.q.shape[2])))
+  most = min(max(_WINDOW_MATRICES // (x.q.shape[0] * x.q.shape[2]), _GROUP_RANGE[0]),
+             _GROUP_RANGE[1])
   span = size * max(g for g in range(1, most + 1) if length // size % g == 0)
   return padded, span, jnp.arange(0, length, span)
 
