@@ -23,8 +23,10 @@ Array = jax.Array
 
 
 class Maps(NamedTuple):
-  """Maps S -> A S + U: one per batch row and head, `(Z, H, ...)`, or one per chunk of
-  each, `(Z, H, n, ...)` (the chunk axis in place, third), or with leading axes.
+  """Maps S -> A S + U, one per batch row and head, and per chunk or device.
+
+  One map per row and head is `(Z, H, ...)`; one per chunk keeps the chunk axis third,
+  `(Z, H, n, ...)`; the maps of all devices, gathered, lead with the device axis.
 
   Attributes:
     a: `(Z, H, [n,] K, 1)`/`(Z, H, [n,] 1, 1)` row decays, or `(Z, H, [n,] K, K)` matrices.
