@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import references
-from ssmkit._src.layers.selective_scan import selective_scan
+from ssmkit._src.selective_scan import selective_scan
 from ssmkit.scan import linear_recurrence
 
 # (T, chunk_size): empty, one step, chunks of one, chunks that do not divide T (padded tail),

@@ -32,6 +32,14 @@ def check_inexact(x: jnp.ndarray, name: str) -> None:
     raise TypeError(f"`{name}` must have a floating or complex dtype, got {x.dtype}.")
 
 
+def real_floating(x, name: str) -> jnp.ndarray:
+  """`x` as an array; raises a TypeError naming `name` unless its dtype is real floating."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
+  return x
+
+
 def check_broadcasts_to(x: jnp.ndarray, shape: Sequence[int], name: str, target: str) -> None:
   """Raises unless `x` broadcasts to `shape` without changing `shape`."""
   try:

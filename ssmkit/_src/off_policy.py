@@ -20,16 +20,15 @@ from jax import lax
 from ssmkit._src import checks
 from ssmkit._src.linear_recurrence import linear_recurrence
 from ssmkit._src.modes import Mode
-from ssmkit._src.returns import (
-    _check_lambda,
-    _cut_at_truncation,
-    _floating,
-    _lambda_recurrence,
-    _last_step,
-    _Names,
-    _scalar_or_per_step,
-    _Trajectory,
-    _trajectory,
+from ssmkit._src.trajectory import (
+    Names,
+    Trajectory,
+    check_lambda,
+    cut_at_truncation,
+    lambda_recurrence,
+    last_step,
+    scalar_or_per_step,
+    trajectory,
 )
 
 Array = jax.Array
@@ -50,17 +49,17 @@ class VTraceOutput(NamedTuple):
   q_estimate: Array
 
 
-def _rlax_names(values: str) -> _Names:
-  return _Names("r_t", "discount_t", values)
+def _rlax_names(values: str) -> Names:
+  return Names("r_t", "discount_t", values)
 
 
-def _per_step(x: Array, traj: _Trajectory, name: str) -> Array:
+def _per_step(x: Array, traj: Trajectory, name: str) -> Array:
   """`x` checked to have `r_t`'s shape, in the compute dtype."""
   checks.check_shape(x, traj.rewards.shape, name, "the shape of `r_t`")
   return x.astype(traj.rewards.dtype)
 
 
-def _action_values(x: Array, traj: _Trajectory, name: str, num_actions: int | None = None) -> Array:
+def _action_values(x: Array, traj: Trajectory, name: str, num_actions: int | None = None) -> Array:
   """`x` checked to have `r_t`'s shape plus a last axis of actions, in the compute dtype."""
   shape = traj.rewards.shape
   if x.shape[:-1] != shape or x.ndim != len(shape) + 1 or x.shape[-1] == 0 or (
@@ -74,7 +73,7 @@ def _action_values(x: Array, traj: _Trajectory, name: str, num_actions: int | No
   return x.astype(traj.rewards.dtype)
 
 
-def _actions(a: ArrayLike, traj: _Trajectory, name: str, num_actions: int) -> Array:
+def _actions(a: ArrayLike, traj: Trajectory, name: str, num_actions: int) -> Array:
   """Integer action indices of `r_t`'s shape, checked in [0, num_actions) when known."""
   a = jnp.asarray(a)
   if not jnp.issubdtype(a.dtype, jnp.integer):
@@ -107,13 +106,13 @@ def _next_step(x: Array, last: Array, axis: int) -> Array:
   )
 
 
-def _compute_dtype(traj: _Trajectory) -> _Trajectory:
+def _compute_dtype(traj: Trajectory) -> Trajectory:
   """`traj` whose results stay in the compute dtype (cast once, after the TD error)."""
   return traj._replace(out_dtype=traj.rewards.dtype)
 
 
 def _vtrace_errors(
-    traj: _Trajectory,
+    traj: Trajectory,
     v_tm1: Array,
     rho_tm1: Array,
     clip_rho_threshold: ArrayLike,
@@ -127,7 +126,7 @@ def _vtrace_errors(
   step's error unchanged (as rlax); a truncated step ends the trace whatever its mask.
   Returned in the compute dtype.
   """
-  v_t, lambda_ = _cut_at_truncation(traj, traj.values)
+  v_t, lambda_ = cut_at_truncation(traj, traj.values)
   deltas = jnp.minimum(clip_rho_threshold, rho_tm1) * (traj.rewards + traj.discounts * v_t - v_tm1)
   discounts, c = traj.discounts, jnp.minimum(1.0, rho_tm1) * lambda_
   if sample_mask is not None:
@@ -144,10 +143,10 @@ def _vtrace_errors(
 
 
 def _vtrace_inputs(v_tm1, v_t, r_t, discount_t, rho_tm1, lambda_, sample_mask, axis,
-                   truncated, final_values) -> tuple[_Trajectory, Array, Array, Array | None]:
+                   truncated, final_values) -> tuple[Trajectory, Array, Array, Array | None]:
   """The checked trajectory, `v_tm1` and `rho_tm1` in the compute dtype, and the mask."""
-  v_tm1, rho_tm1 = _floating(v_tm1, "v_tm1"), _floating(rho_tm1, "rho_tm1")
-  traj = _trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
+  v_tm1, rho_tm1 = checks.real_floating(v_tm1, "v_tm1"), checks.real_floating(rho_tm1, "rho_tm1")
+  traj = trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
                      _rlax_names("v_t"), extra=(v_tm1, rho_tm1))
   _per_step(traj.values, traj, "v_t")
   v_tm1, rho_tm1 = _per_step(v_tm1, traj, "v_tm1"), _per_step(rho_tm1, traj, "rho_tm1")
@@ -271,7 +270,7 @@ def vtrace_td_error_and_advantage(
       traj, v_tm1, rho_tm1, clip_rho_threshold, sample_mask, mode, stop_target_gradients
   )
   next_targets = _next_step(errors + v_tm1, traj.values, traj.axis)
-  next_values, lambda_ = _cut_at_truncation(traj, _next_step(v_tm1, traj.values, traj.axis))
+  next_values, lambda_ = cut_at_truncation(traj, _next_step(v_tm1, traj.values, traj.axis))
   q_estimate = traj.rewards + traj.discounts * (
       lambda_ * next_targets + (1 - lambda_) * next_values
   )
@@ -280,7 +279,7 @@ def vtrace_td_error_and_advantage(
 
 
 def _retrace_errors(
-    traj: _Trajectory,
+    traj: Trajectory,
     qa_tm1: Array,
     qa_t: Array,
     expected_q_t: Array,
@@ -293,7 +292,7 @@ def _retrace_errors(
   c_t = lambda_t min(1, ratio_t) weighs the next step's target; the last step, and a
   truncated one, bootstrap from E_t alone (c_t = 0; E_t is `final_values` when truncated).
   """
-  expected_q_t, lambda_ = _cut_at_truncation(traj, expected_q_t)
+  expected_q_t, lambda_ = cut_at_truncation(traj, expected_q_t)
   c = jnp.minimum(1.0, ratio_t) * lambda_
   length = c.shape[traj.axis]
   c = jnp.where(lax.broadcasted_iota(jnp.int32, c.shape, traj.axis) == length - 1, 0, c)
@@ -355,8 +354,9 @@ def retrace(
   References:
     Munos et al., "Safe and Efficient Off-Policy Reinforcement Learning", NeurIPS 2016.
   """
-  q_tm1, pi_t, mu_t = (_floating(x, n) for x, n in ((q_tm1, "q_tm1"), (pi_t, "pi_t"), (mu_t, "mu_t")))
-  traj = _trajectory(r_t, discount_t, q_t, lambda_, truncated, final_values, axis,
+  q_tm1, pi_t, mu_t = (checks.real_floating(x, n)
+                       for x, n in ((q_tm1, "q_tm1"), (pi_t, "pi_t"), (mu_t, "mu_t")))
+  traj = trajectory(r_t, discount_t, q_t, lambda_, truncated, final_values, axis,
                      _rlax_names("q_t"), extra=(q_tm1, pi_t, mu_t))
   q_t = _action_values(traj.values, traj, "q_t")
   num_actions = q_t.shape[-1]
@@ -417,7 +417,7 @@ def retrace_continuous(
     Munos et al., "Safe and Efficient Off-Policy Reinforcement Learning", NeurIPS 2016.
   """
   q_tm1, q_t, log_rhos = (
-      _floating(x, n) for x, n in ((q_tm1, "q_tm1"), (q_t, "q_t"), (log_rhos, "log_rhos"))
+      checks.real_floating(x, n) for x, n in ((q_tm1, "q_tm1"), (q_t, "q_t"), (log_rhos, "log_rhos"))
   )
   shape = jnp.shape(r_t)
   axis = checks.canonical_axis(axis, max(len(shape), 1))
@@ -425,14 +425,14 @@ def retrace_continuous(
     after_first = (*shape[:axis], shape[axis] - 1, *shape[axis + 1 :])
     for x, name in ((q_t, "q_t"), (log_rhos, "log_rhos")):
       checks.check_shape(x, after_first, name, f"`r_t`'s with T - 1 steps on axis {axis}")
-    lambda_ = _scalar_or_per_step(lambda_, after_first, "lambda_", "log_rhos")
-    _check_lambda(lambda_)
+    lambda_ = scalar_or_per_step(lambda_, after_first, "lambda_", "log_rhos")
+    check_lambda(lambda_)
     # One more step at the end, which the recursion never reads (c = 0 there).
     step = lambda x: jnp.zeros((*x.shape[:axis], 1, *x.shape[axis + 1 :]), x.dtype)
     pad = lambda x: jnp.concatenate([x, step(x)], axis)
     q_t, log_rhos = pad(q_t), pad(log_rhos)
     lambda_ = pad(lambda_) if lambda_.ndim else lambda_
-  traj = _trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
+  traj = trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
                      _rlax_names("v_t"), extra=(q_tm1, q_t, log_rhos))
   _per_step(traj.values, traj, "v_t")
   q_tm1, q_t, log_rhos = (_per_step(x, traj, n) for x, n in (
@@ -482,13 +482,13 @@ def td_lambda(
     >>> td_lambda(jnp.ones(3), jnp.ones(3), jnp.full(3, 0.5), jnp.zeros(3), 1.0)
     Array([0.75, 0.5 , 0.  ], dtype=float32)
   """
-  v_tm1 = _floating(v_tm1, "v_tm1")
-  traj = _trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
+  v_tm1 = checks.real_floating(v_tm1, "v_tm1")
+  traj = trajectory(r_t, discount_t, v_t, lambda_, truncated, final_values, axis,
                      _rlax_names("v_t"), extra=(v_tm1,))
   v_t = _per_step(traj.values, traj, "v_t")
   v_tm1 = _per_step(v_tm1, traj, "v_tm1")
-  targets = _lambda_recurrence(
-      _compute_dtype(traj), v_t, _last_step(v_t, traj.axis), mode, stop_target_gradients, None
+  targets = lambda_recurrence(
+      _compute_dtype(traj), v_t, last_step(v_t, traj.axis), mode, stop_target_gradients, None
   )
   return (targets - v_tm1).astype(traj.out_dtype)
 
@@ -532,14 +532,14 @@ def q_lambda(
   Returns:
     The errors, `r_t`'s shape, in the promoted dtype of the inputs.
   """
-  q_tm1 = _floating(q_tm1, "q_tm1")
-  traj = _trajectory(r_t, discount_t, q_t, lambda_, truncated, final_values, axis,
+  q_tm1 = checks.real_floating(q_tm1, "q_tm1")
+  traj = trajectory(r_t, discount_t, q_t, lambda_, truncated, final_values, axis,
                      _rlax_names("q_t"), extra=(q_tm1,))
   q_t = _action_values(traj.values, traj, "q_t")
   q_tm1 = _action_values(q_tm1, traj, "q_tm1", q_t.shape[-1])
   a_tm1 = _actions(a_tm1, traj, "a_tm1", q_t.shape[-1])
   v_t = jnp.max(q_t, axis=-1)
-  targets = _lambda_recurrence(
-      _compute_dtype(traj), v_t, _last_step(v_t, traj.axis), mode, stop_target_gradients, None
+  targets = lambda_recurrence(
+      _compute_dtype(traj), v_t, last_step(v_t, traj.axis), mode, stop_target_gradients, None
   )
   return (targets - _take(q_tm1, a_tm1)).astype(traj.out_dtype)

@@ -9,7 +9,6 @@ bootstraps from the value of its final observation instead of reaching into the 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,177 +17,19 @@ from jax import lax
 
 from ssmkit._src import checks
 from ssmkit._src.engine import axis_position
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.linear_recurrence import linear_recurrence
 from ssmkit._src.modes import Mode
+from ssmkit._src.trajectory import (
+    check_rewards,
+    cut_at_truncation,
+    finish,
+    lambda_recurrence,
+    last_step,
+    trajectory,
+)
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
-
-
-class _Names(NamedTuple):
-  """The names error messages give the shared arguments: ssmkit's, or rlax's `r_t`, ..."""
-
-  rewards: str = "rewards"
-  discounts: str = "discounts"
-  values: str = "values"
-
-
-_SSMKIT_NAMES = _Names()
-
-
-class _Trajectory(NamedTuple):
-  """Checked inputs cast to the compute dtype; each estimator checks its own `values`."""
-
-  rewards: Array
-  discounts: Array
-  lambda_: Array
-  values: Array
-  truncated: Array | None
-  final_values: Array | None
-  axis: int
-  out_dtype: jnp.dtype
-
-
-def _floating(x: ArrayLike, name: str) -> Array:
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
-  return x
-
-
-def _rewards(rewards: ArrayLike, axis: int, name: str = "rewards") -> tuple[Array, int]:
-  """`rewards` checked, and its time axis in [0, ndim)."""
-  rewards = _floating(rewards, name)
-  if rewards.ndim == 0:
-    raise ValueError(f"`{name}` must have a time axis, got a scalar.")
-  return rewards, checks.canonical_axis(axis, rewards.ndim)
-
-
-def _scalar_or_per_step(
-    x: ArrayLike, shape: tuple[int, ...], name: str, like: str = "rewards"
-) -> Array:
-  x = _floating(x, name)
-  if x.ndim and x.shape != shape:
-    raise ValueError(
-        f"`{name}` must be a scalar or have the shape of `{like}` {shape}, got {x.shape}."
-    )
-  return x
-
-
-def _check_lambda(lambda_: Array) -> None:
-  """Checks lambda_ >= 0 where the value is known at trace time.
-
-  As rlax, values above 1 are accepted, eagerly and under `jit` alike: the same formulas
-  then weigh the bootstrapped tail more than the one-step target (rlax's own tests pass
-  importance ratios up to 2 as `lambda_`).
-  """
-  if isinstance(lambda_, jax.core.Tracer):
-    return
-  value = np.asarray(lambda_)
-  if not np.all(value >= 0):
-    raise ValueError(f"`lambda_` must be >= 0, got values down to {value.min()}.")
-
-
-def _trajectory(
-    rewards: ArrayLike,
-    discounts: ArrayLike,
-    values: ArrayLike,
-    lambda_: ArrayLike,
-    truncated: ArrayLike | None,
-    final_values: ArrayLike | None,
-    axis: int,
-    names: _Names = _SSMKIT_NAMES,
-    extra: tuple[Array, ...] = (),
-) -> _Trajectory:
-  """Checks the arguments every estimator shares and casts them to one compute dtype.
-
-  `extra` are the estimator's other float inputs: they take part in the dtype promotion,
-  and the estimator casts them to the compute dtype, `rewards`' dtype in the result.
-  """
-  rewards, axis = _rewards(rewards, axis, names.rewards)
-  shape = rewards.shape
-  discounts = _scalar_or_per_step(discounts, shape, names.discounts, names.rewards)
-  lambda_ = _scalar_or_per_step(lambda_, shape, "lambda_", names.rewards)
-  _check_lambda(lambda_)
-  values = _floating(values, names.values)
-  if (truncated is None) != (final_values is None):
-    raise ValueError(
-        "`truncated` and `final_values` go together: pass both (the flags and the values of "
-        "the final observations of truncated episodes) or neither."
-    )
-  parts = [rewards, discounts, lambda_, values]
-  if truncated is not None:
-    truncated = jnp.asarray(truncated)
-    checks.check_bool(truncated, "truncated")
-    checks.check_shape(truncated, shape, "truncated", f"the shape of `{names.rewards}`")
-    final_values = _floating(final_values, "final_values")
-    checks.check_shape(final_values, shape, "final_values", f"the shape of `{names.rewards}`")
-    parts.append(final_values)
-  out_dtype = jnp.result_type(*parts, *extra)
-  dtype = accumulation_dtype(out_dtype)
-  if final_values is not None:
-    final_values = final_values.astype(dtype)
-  return _Trajectory(
-      rewards.astype(dtype),
-      discounts.astype(dtype),
-      lambda_.astype(dtype),
-      values.astype(dtype),
-      truncated,
-      final_values,
-      axis,
-      out_dtype,
-  )
-
-
-def _cut_at_truncation(
-    traj: _Trajectory, next_values: Array | None
-) -> tuple[Array | None, Array]:
-  """Bootstrap values and lambdas with truncated steps ending their episode.
-
-  At a truncated step the return stops there: it bootstraps from the final observation's
-  value and takes nothing from the next step (lambda = 0), which belongs to a new episode.
-  `next_values=None` stands for values that no step reads (lambda = 1 everywhere).
-  """
-  if traj.truncated is None:
-    return next_values, traj.lambda_
-  if next_values is None:
-    next_values = jnp.zeros_like(traj.final_values)
-  return (
-      jnp.where(traj.truncated, traj.final_values, next_values),
-      jnp.where(traj.truncated, jnp.zeros_like(traj.lambda_), traj.lambda_),
-  )
-
-
-def _finish(x: Array, traj: _Trajectory, stop_target_gradients: bool) -> Array:
-  x = x.astype(traj.out_dtype)
-  return lax.stop_gradient(x) if stop_target_gradients else x
-
-
-def _lambda_recurrence(
-    traj: _Trajectory,
-    next_values: Array | None,
-    bootstrap: Array | None,
-    mode: str | Mode,
-    stop_target_gradients: bool,
-    axis_name: Hashable | None,
-) -> Array:
-  """G_t = r_t + d_t [(1 - lambda_t) v_t + lambda_t G_{t+1}] backwards from G_T = bootstrap.
-
-  `next_values=None` (discounted returns) drops the value term: G_t = r_t + d_t G_{t+1}.
-  With `axis_name`, `bootstrap` is read on the device holding the last steps.
-  """
-  next_values, lambda_ = _cut_at_truncation(traj, next_values)
-  if next_values is None:
-    decay, inputs = traj.discounts, traj.rewards
-  else:
-    # Factors, not their product: the sequential scan multiplies them step by step.
-    decay = (traj.discounts, lambda_)
-    inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
-  returns = linear_recurrence(
-      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name,
-      overwrite_b=next_values is not None,  # computed here, unless they are the rewards
-  )
-  return _finish(returns, traj, stop_target_gradients)
 
 
 def _with_next_slice(x: Array, x_next: Array, steps: int, axis: int, axis_name: Hashable) -> Array:
@@ -204,11 +45,6 @@ def _with_next_slice(x: Array, x_next: Array, steps: int, axis: int, axis_name: 
   own = lax.slice_in_dim(x, length - steps, length, axis=axis)
   tail = jnp.where(index == size - 1, own, received)
   return jnp.concatenate([lax.slice_in_dim(x, 0, length - steps, axis=axis), tail], axis)
-
-
-def _last_step(x: Array, axis: int) -> Array | None:
-  """x at the last time step (the batch shape), or None for an empty trajectory."""
-  return None if x.shape[axis] == 0 else lax.index_in_dim(x, -1, axis, keepdims=False)
 
 
 def discounted_returns(
@@ -255,20 +91,20 @@ def discounted_returns(
     >>> discounted_returns(jnp.ones(4), jnp.array([0.5, 0.0, 0.5, 0.5]), 2.0)
     Array([1.5, 1. , 2. , 2. ], dtype=float32)
   """
-  rewards, axis = _rewards(rewards, axis)
-  bootstrap = _floating(bootstrap_value, "bootstrap_value")
+  rewards, axis = check_rewards(rewards, axis)
+  bootstrap = checks.real_floating(bootstrap_value, "bootstrap_value")
   batch_shape = rewards.shape[:axis] + rewards.shape[axis + 1 :]
   if bootstrap.shape == rewards.shape:
-    last = _last_step(bootstrap, axis)
+    last = last_step(bootstrap, axis)
     bootstrap = jnp.zeros(batch_shape, bootstrap.dtype) if last is None else last
   elif bootstrap.ndim and bootstrap.shape != batch_shape:
     raise ValueError(
         f"`bootstrap_value` must be a scalar, have the batch shape {batch_shape} (`rewards` "
         f"without axis {axis}) or the shape of `rewards` {rewards.shape}; got {bootstrap.shape}."
     )
-  traj = _trajectory(rewards, discounts, bootstrap, 1.0, truncated, final_values, axis)
+  traj = trajectory(rewards, discounts, bootstrap, 1.0, truncated, final_values, axis)
   bootstrap = jnp.broadcast_to(traj.values, batch_shape)
-  return _lambda_recurrence(traj, None, bootstrap, mode, stop_target_gradients, axis_name)
+  return lambda_recurrence(traj, None, bootstrap, mode, stop_target_gradients, axis_name)
 
 
 def lambda_returns(
@@ -314,10 +150,10 @@ def lambda_returns(
   Returns:
     Returns with `rewards`' shape, in the promoted dtype of the inputs.
   """
-  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  traj = trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
-  bootstrap = _last_step(traj.values, traj.axis)
-  return _lambda_recurrence(traj, traj.values, bootstrap, mode, stop_target_gradients, axis_name)
+  bootstrap = last_step(traj.values, traj.axis)
+  return lambda_recurrence(traj, traj.values, bootstrap, mode, stop_target_gradients, axis_name)
 
 
 def generalized_advantage_estimation(
@@ -386,7 +222,7 @@ def generalized_advantage_estimation(
     ...     final_values=jnp.full(3, 10.0))
     Array([4., 6., 1.], dtype=float32)
   """
-  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  traj = trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   shape, axis = traj.rewards.shape, traj.axis
   expected = (*shape[:axis], shape[axis] + 1, *shape[axis + 1 :])
   checks.check_shape(
@@ -397,13 +233,13 @@ def generalized_advantage_estimation(
   v_t = lax.slice_in_dim(traj.values, 1, length + 1, axis=axis)
   if axis_name is not None and length > 0:
     v_t = _with_next_slice(v_t, v_tm1, 1, axis, axis_name)
-  v_t, lambda_ = _cut_at_truncation(traj, v_t)
+  v_t, lambda_ = cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
       (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name,
       overwrite_b=True,
   )
-  return _finish(advantages, traj, stop_target_gradients)
+  return finish(advantages, traj, stop_target_gradients)
 
 
 def n_step_returns(
@@ -450,12 +286,12 @@ def n_step_returns(
   """
   if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
     raise ValueError(f"`n` must be a positive int, got {n!r}.")
-  traj = _trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
+  traj = trajectory(rewards, discounts, values, lambda_, truncated, final_values, axis)
   checks.check_shape(traj.values, traj.rewards.shape, "values", "the shape of `rewards`")
   length = traj.rewards.shape[traj.axis]
   slices = 1 if axis_name is None else axis_position(axis_name)[1]
   if length == 0:
-    return _finish(traj.rewards, traj, stop_target_gradients)
+    return finish(traj.rewards, traj, stop_target_gradients)
   # Windows longer than the trajectory add nothing: the padding below is the identity.
   n = min(int(n), length * slices)
   if n - 1 > length:
@@ -463,7 +299,7 @@ def n_step_returns(
         f"`n`={n} needs the next {n - 1} steps past each slice, more than one device's slice "
         f"of {length} steps along `axis_name`={axis_name!r}: use n <= {length + 1}."
     )
-  values, lambda_ = _cut_at_truncation(traj, traj.values)
+  values, lambda_ = cut_at_truncation(traj, traj.values)
 
   def padded(x: Array, fill: Array | float) -> Array:
     """Time first, then n - 1 steps past the end: the next slice's, or `fill` after the last."""
@@ -488,4 +324,4 @@ def n_step_returns(
     return window(rewards, i) + d * ((1 - lam) * window(values, i) + lam * targets)
 
   returns = lax.fori_loop(0, n, step, window(values, n - 1))
-  return _finish(jnp.moveaxis(returns, 0, traj.axis), traj, stop_target_gradients)
+  return finish(jnp.moveaxis(returns, 0, traj.axis), traj, stop_target_gradients)

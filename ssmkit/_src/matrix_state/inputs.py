@@ -46,13 +46,6 @@ class Inputs(NamedTuple):
   dtype: jnp.dtype
 
 
-def _real_array(x, name: str) -> Array:
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
-  return x
-
-
 def _check_log_decay_values(log_decay: Array) -> None:
   """Refuses positive or non-finite decays where the values are known at trace time."""
   if isinstance(log_decay, jax.core.Tracer):
@@ -87,7 +80,7 @@ def prepare(
     TypeError: for integer or complex inputs, or non-boolean `reset`.
     ValueError: for shapes that do not fit `q`, or a decay known to be positive.
   """
-  q, k, v = (_real_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+  q, k, v = (checks.real_floating(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
   if q.ndim < 3:
     raise ValueError(f"`q` must be `(..., T, H, K)`, got shape {q.shape}.")
   if k.shape != q.shape:
@@ -102,7 +95,7 @@ def prepare(
   step_shape = q.shape[:-1]
   dtypes = [q.dtype, k.dtype, v.dtype]
   if log_decay is not None:
-    log_decay = _real_array(log_decay, "log_decay")
+    log_decay = checks.real_floating(log_decay, "log_decay")
     shapes = [step_shape, q.shape] if per_key_decay else [step_shape]
     if log_decay.shape not in shapes:
       accepted = " or ".join(str(s) for s in shapes)
@@ -111,12 +104,12 @@ def prepare(
     _check_log_decay_values(log_decay)
     dtypes.append(log_decay.dtype)
   if beta is not None:
-    beta = _real_array(beta, "beta")
+    beta = checks.real_floating(beta, "beta")
     checks.check_shape(beta, step_shape, "beta", "(..., T, H)")
     dtypes.append(beta.dtype)
   state_shape = (*batch, heads, dim_k, v.shape[-1])
   if initial_state is not None:
-    initial_state = _real_array(initial_state, "initial_state")
+    initial_state = checks.real_floating(initial_state, "initial_state")
     checks.check_shape(initial_state, state_shape, "initial_state", "(..., H, K, V)")
     dtypes.append(initial_state.dtype)
   if reset is not None:

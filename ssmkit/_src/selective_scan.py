@@ -122,11 +122,6 @@ def _resolve(mode: Mode, length: int) -> Mode:
   return Mode.SEQUENTIAL if jax.default_backend() == "cpu" or length <= 64 else Mode.CHUNKED
 
 
-def _check_real(x: Array, name: str) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"`{name}` must have a real floating dtype, got {x.dtype}.")
-
-
 def selective_scan(
     u: Array,
     dt: Array,
@@ -173,9 +168,8 @@ def selective_scan(
     ValueError: for shapes that do not fit `u` and `a`, a non-positive `chunk_size` or an
       unknown `mode`.
   """
-  u, dt, a, b, c = (jnp.asarray(x) for x in (u, dt, a, b, c))
-  for x, name in ((u, "u"), (dt, "dt"), (a, "a"), (b, "b"), (c, "c")):
-    _check_real(x, name)
+  u, dt, a, b, c = (checks.real_floating(x, name)
+                    for x, name in ((u, "u"), (dt, "dt"), (a, "a"), (b, "b"), (c, "c")))
   if u.ndim < 2:
     raise ValueError(f"`u` must be `(..., T, D)`, got shape {u.shape}.")
   if a.ndim != 2:
@@ -188,8 +182,7 @@ def selective_scan(
   checks.check_shape(c, (*batch, length, n), "c", "`(..., T, N)`")
   dtype = jnp.result_type(u, dt, a, b, c)
   if h0 is not None:
-    h0 = jnp.asarray(h0)
-    _check_real(h0, "h0")
+    h0 = checks.real_floating(h0, "h0")
     checks.check_shape(h0, (*batch, d, n), "h0", "`(..., D, N)`")
     dtype = jnp.result_type(dtype, h0)
   if reset is not None:
