@@ -9,25 +9,14 @@ import pytest
 import scipy.linalg
 from flax import nnx
 
+import registered
 from ssmkit import layers
 from ssmkit._src import hippo
+from ssmkit._src.layers.registry import LAYERS as REGISTRY
 from ssmkit.scan import Mode
 
-# Every layer, small enough for fast tests.
-LAYERS = {
-    "LRU": lambda: layers.LRU(d_state=6),
-    "S4D": lambda: layers.S4D(d_state=6),
-    "S4D-lin-bilinear": lambda: layers.S4D(d_state=4, a_init="lin", discretization="bilinear"),
-    "S5": lambda: layers.S5(d_state=8),
-    "S5-blocks-full-bilinear": lambda: layers.S5(
-        d_state=6, blocks=2, conj_sym=False, discretization="bilinear"
-    ),
-    "Mamba": lambda: layers.Mamba(d_state=4, d_conv=3),
-    "Mamba2": lambda: layers.Mamba2(d_state=4, head_dim=2, n_groups=2, d_conv=3),
-    "GatedDeltaNet": lambda: layers.GatedDeltaNet(num_heads=2, d_conv=3),
-    "RGLRU": lambda: layers.RGLRU(num_heads=2, d_conv=3),
-    "MinGRU": lambda: layers.MinGRU(d_state=6),
-}
+# Every layer of the registry in each of its test configurations, small enough for fast tests.
+LAYERS = registered.linen_cases()
 MODES = ["sequential", "parallel", "chunked", "auto"]
 
 
@@ -62,7 +51,7 @@ def any_layer(request):
   return LAYERS[request.param]()
 
 
-@pytest.fixture(params=["LRU", "S4D", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"])
+@pytest.fixture(params=registered.names())
 def layer(request):
   """One configuration per layer: for the contract's structural parts."""
   return LAYERS[request.param]()
@@ -349,9 +338,7 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
   np.testing.assert_array_equal(layer.apply(params, x, mode="auto"), convolved)
 
 
-@pytest.mark.parametrize("factory", [layers.LRU, layers.S4D, layers.S5, layers.Mamba, layers.Mamba2,
-                                     layers.GatedDeltaNet, layers.RGLRU, layers.MinGRU],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))
 @pytest.mark.parametrize("d_state", [0, -2, 2.5])
 def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):
   with pytest.raises(ValueError, match="`d_state` must be a positive int"):

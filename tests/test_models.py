@@ -9,21 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import registered
 from ssmkit import layers
 from ssmkit._src.layers.block import NORMS
 from ssmkit._src.layers.model import _filter_logits
 
+# Each registered layer in its own test configuration, and a bidirectional S4D.
 SMALL_LAYERS = {
-    "LRU": functools.partial(layers.LRU, d_state=4),
-    "S4D-bidirectional": functools.partial(layers.S4D, d_state=4, bidirectional=True),
-    "S5": functools.partial(layers.S5, d_state=4),
-    "Mamba": functools.partial(layers.Mamba, d_state=4, d_conv=3),
-    "Mamba2": functools.partial(layers.Mamba2, d_state=4, head_dim=4, d_conv=3),
-    "GatedDeltaNet": functools.partial(layers.GatedDeltaNet, d_conv=3),
-    "RGLRU": functools.partial(layers.RGLRU, num_heads=2, d_conv=3),
-    "MinGRU": layers.MinGRU,
+    **registered.linen_cases(variants=False),
+    "s4d-bidirectional": functools.partial(layers.S4D, d_state=4, bidirectional=True),
 }
-CAUSAL = ["LRU", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"]
+CAUSAL = registered.names()
 
 
 def _x(shape, seed=0):
@@ -61,10 +57,10 @@ def _dense(p, x):
 @pytest.mark.parametrize("activation", ["gelu", "glu", "half_glu"])
 @pytest.mark.parametrize("prenorm", [True, False])
 def test_block_matches_its_formula(activation, prenorm):
-  block = layers.SSMBlock(layer=SMALL_LAYERS["LRU"], activation=activation, prenorm=prenorm)
+  block = layers.SSMBlock(layer=SMALL_LAYERS["lru"], activation=activation, prenorm=prenorm)
   x = _x((2, 9, 5))
   params = block.init(jax.random.key(0), x)["params"]
-  ssm = lambda u: np.asarray(SMALL_LAYERS["LRU"]().apply({"params": params["ssm"]}, jnp.asarray(u)),
+  ssm = lambda u: np.asarray(SMALL_LAYERS["lru"]().apply({"params": params["ssm"]}, jnp.asarray(u)),
                              np.float64)
 
   def layer_norm(u):
@@ -83,8 +79,9 @@ def test_block_matches_its_formula(activation, prenorm):
   _assert_close(block.apply({"params": params}, x), expected, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("name", "norm"), [*((name, norm) for name in CAUSAL[:3] for norm in NORMS),
-                                            *((name, "layer") for name in CAUSAL[3:])])
+@pytest.mark.parametrize(("name", "norm"), [*((name, "layer") for name in CAUSAL),
+                                            *((name, norm) for name in ("lru", "s5", "mamba")
+                                              for norm in NORMS if norm != "layer")])
 def test_block_sequence_equals_step_by_step(name, norm):
   block = layers.SSMBlock(layer=SMALL_LAYERS[name], norm=norm)
   x, reset = _x((2, 11, 4)), jax.random.bernoulli(jax.random.key(1), 0.2, (2, 11))
@@ -93,7 +90,7 @@ def test_block_sequence_equals_step_by_step(name, norm):
 
 
 def _model(**kwargs):
-  config = dict(num_outputs=3, layer=SMALL_LAYERS["LRU"], features=8, num_blocks=2)
+  config = dict(num_outputs=3, layer=SMALL_LAYERS["lru"], features=8, num_blocks=2)
   return layers.SequenceModel(**{**config, **kwargs})
 
 
@@ -101,7 +98,7 @@ def _model(**kwargs):
 def test_model_continues_a_rollout_from_its_state(scan_blocks, tokens):
   """A rollout stepped from a mid-episode state equals it re-run as one sequence from that state."""
   model = _model(pooling="none", scan_blocks=scan_blocks, vocab_size=11 if tokens else None,
-                 layer=SMALL_LAYERS["Mamba"], norm="batch")
+                 layer=SMALL_LAYERS["mamba"], norm="batch")
   draw = lambda shape, seed: (jax.random.randint(jax.random.key(seed), shape[:2], 0, 11) if tokens
                               else _x(shape, seed))
   x, reset = draw((3, 12, 2), 0), jax.random.bernoulli(jax.random.key(1), 0.2, (3, 12))
@@ -131,7 +128,7 @@ def test_scanned_blocks_equal_unrolled_blocks():
 
 
 @pytest.mark.parametrize(("name", "pooling"), [*((name, "mean") for name in SMALL_LAYERS),
-                                               ("LRU", "last")])
+                                               ("lru", "last")])
 def test_padding_changes_nothing(name, pooling):
   """Each padded sequence classifies as it does alone and unpadded, whatever the padding holds."""
   model = _model(layer=SMALL_LAYERS[name], pooling=pooling)
@@ -201,7 +198,7 @@ def test_dropout_acts_only_in_training():
 
 
 def test_model_trains_under_jit_with_finite_gradients():
-  model = _model(norm="batch", dropout_rate=0.1, scan_blocks=True, layer=SMALL_LAYERS["S5"])
+  model = _model(norm="batch", dropout_rate=0.1, scan_blocks=True, layer=SMALL_LAYERS["s5"])
   x, labels = _x((4, 9, 2)), jnp.asarray([0, 1, 2, 0])
   variables = model.init(jax.random.key(0), x)
 
@@ -216,7 +213,7 @@ def test_model_trains_under_jit_with_finite_gradients():
   assert any(np.any(g != 0) for g in jax.tree.leaves(grads["blocks"]))
 
 
-@pytest.mark.parametrize("name", ["LRU", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"])
+@pytest.mark.parametrize("name", CAUSAL)
 def test_greedy_generation_equals_rerunning_the_whole_sequence(name):
   model = _model(vocab_size=7, num_outputs=7, pooling="none", scan_blocks=True, layer=SMALL_LAYERS[name])
   prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 7)

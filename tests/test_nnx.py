@@ -14,32 +14,20 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import registered
 import ssmkit.nnx as snx
 from ssmkit import layers
 from ssmkit._src.train.core.model import parameter_labels
 
-# Every layer (the variants of tests/test_layers.py): NNX factory and linen twin, width 4.
+# Every layer of the registry in each of its test configurations, and a bidirectional S4D:
+# NNX factory and linen twin, width 4.
 LAYERS = {
-    "LRU": (functools.partial(snx.LRU, d_state=6), layers.LRU(d_state=6)),
-    "S4D": (functools.partial(snx.S4D, d_state=6), layers.S4D(d_state=6)),
-    "S4D-lin-bilinear": (functools.partial(snx.S4D, d_state=4, a_init="lin", discretization="bilinear"),
-                         layers.S4D(d_state=4, a_init="lin", discretization="bilinear")),
-    "S4D-bidirectional": (functools.partial(snx.S4D, d_state=4, bidirectional=True),
+    **registered.nnx_cases(),
+    "s4d-bidirectional": (functools.partial(snx.S4D, d_state=4, bidirectional=True),
                           layers.S4D(d_state=4, bidirectional=True)),
-    "S5": (functools.partial(snx.S5, d_state=8), layers.S5(d_state=8)),
-    "S5-blocks-full-bilinear": (
-        functools.partial(snx.S5, d_state=6, blocks=2, conj_sym=False, discretization="bilinear"),
-        layers.S5(d_state=6, blocks=2, conj_sym=False, discretization="bilinear")),
-    "Mamba": (functools.partial(snx.Mamba, d_state=4, d_conv=3), layers.Mamba(d_state=4, d_conv=3)),
-    "Mamba2": (functools.partial(snx.Mamba2, d_state=4, head_dim=2, n_groups=2, d_conv=3),
-               layers.Mamba2(d_state=4, head_dim=2, n_groups=2, d_conv=3)),
-    "GatedDeltaNet": (functools.partial(snx.GatedDeltaNet, num_heads=2, d_conv=3),
-                      layers.GatedDeltaNet(num_heads=2, d_conv=3)),
-    "RGLRU": (functools.partial(snx.RGLRU, num_heads=2, d_conv=3), layers.RGLRU(num_heads=2, d_conv=3)),
-    "MinGRU": (functools.partial(snx.MinGRU, d_state=6), layers.MinGRU(d_state=6)),
 }
 CAUSAL = [name for name in LAYERS if "bidirectional" not in name]
-ONE_PER_LAYER = ["LRU", "S4D", "S5", "Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU"]
+ONE_PER_LAYER = registered.names()
 MODES = ["sequential", "parallel", "chunked", "auto"]
 WIDTH = 4
 
@@ -145,7 +133,7 @@ def test_bfloat16_inputs_keep_their_dtype(layer):
 @pytest.mark.parametrize("name", ONE_PER_LAYER)
 def test_options_and_defaults_are_the_linen_layers(name):
   cls = type(LAYERS[name][1])
-  front_end = getattr(snx, name)
+  front_end = snx.front_end(cls)
   parameters = inspect.signature(front_end).parameters
   fields = {f.name: f.default for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
   assert list(parameters) == ["features", *fields, "rngs"]

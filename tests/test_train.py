@@ -239,7 +239,7 @@ def test_ssm_parameters_get_their_own_group(layer, ssm):
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
   """A renamed parameter must be renamed in the declaration too, or this fails."""
-  layer = LAYERS[name](d_state=4)
+  layer = LAYERS[name].layer(**LAYERS[name].test_configs[0])
   params = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((1, 5, 16), jnp.float32))["params"]
   groups = layer.parameter_groups
   assert not groups.recurrence & groups.no_decay

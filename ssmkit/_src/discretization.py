@@ -1,6 +1,9 @@
 """Discretisation of continuous-time SSMs x' = A x + B u with step dt, and step-size init.
 
-Shared by every continuous-time layer (S4D, S5, Mamba). A is diagonal `(..., N)` (the
+Used by S4D and S5 (ZOH or bilinear, their `discretization` option) and by their step-size
+initialisation. The selective layers (Mamba, Mamba-2, Gated DeltaNet) discretise inside their
+own recurrence, as their reference code does: exp(dt A) for A and the Euler step dt B for B,
+with dt an input-dependent step. A is diagonal `(..., N)` (the
 layers' case) or dense `(..., N, N)`; B is `(..., N, H)`, or `(..., N)` beside a diagonal
 A for one input per state.
 """

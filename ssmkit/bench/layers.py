@@ -31,6 +31,7 @@ from flax import nnx
 
 from ssmkit import layers
 from ssmkit import nnx as ssmkit_nnx
+from ssmkit._src.layers import registry
 from ssmkit.bench import _timing
 
 Array = jax.Array
@@ -39,22 +40,10 @@ SCAN_MODES = ("auto", "sequential", "parallel", "chunked")
 REFERENCE = "parallel"
 _RTOL = 1e-3
 
+# Every registered layer, by its class name, at its defaults.
 LAYERS: dict[str, Callable[..., nn.Module]] = {
-    "LRU": functools.partial(layers.LRU, d_state=64),
-    "S4D": functools.partial(layers.S4D, d_state=64),
-    "S5": functools.partial(layers.S5, d_state=64),
-    "Mamba": functools.partial(layers.Mamba, d_state=16),
-    "Mamba2": functools.partial(layers.Mamba2, d_state=64),
-    "GatedDeltaNet": functools.partial(layers.GatedDeltaNet, num_heads=2),
-    "RGLRU": functools.partial(layers.RGLRU),
-    "MinGRU": functools.partial(layers.MinGRU),
+    entry.layer.__name__: entry.layer for entry in registry.LAYERS.values()
 }
-
-
-def _configuration(layer: str) -> str:
-  """`layer` as it is built here, e.g. "Mamba(d_state=16)"; defaults are left out."""
-  keywords = ", ".join(f"{key}={value}" for key, value in LAYERS[layer].keywords.items())
-  return f"{layer}({keywords})"
 
 
 def modes(layer: str) -> tuple[str, ...]:
@@ -228,7 +217,7 @@ def _bench_front_ends(shape: Shape, blocks: int, repeats: int, key: Array) -> li
   cross_entropy = lambda logits: -jnp.mean(
       jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
   model = ssmkit_nnx.SequenceModel(
-      shape.features, 10, layer=functools.partial(ssmkit_nnx.LRU, **LAYERS["LRU"].keywords),
+      shape.features, 10, layer=ssmkit_nnx.LRU,
       features=shape.features, num_blocks=blocks, rngs=nnx.Rngs(0))
   module, variables = ssmkit_nnx.to_linen(model)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -292,9 +281,8 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
       f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
       f"{repeats} samples (fewer where they would take over {_timing.CELL_BUDGET_S:g} s), "
       "modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
-      "(lax.associative_scan) mode's time over the mode's. Layers: "
-      + ", ".join(_configuration(n) for n in names)
-      + "."
+      "(lax.associative_scan) mode's time over the mode's. Layers at their defaults: "
+      + ", ".join(names) + "."
   )
   print()
   cells = [_Cell(name, shape) for shape in suite.shapes for name in names]

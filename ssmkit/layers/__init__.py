@@ -4,7 +4,7 @@ from ssmkit._src.layers.block import SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.lru import LRU
-from ssmkit._src.layers.mamba import Mamba, MambaState
+from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
@@ -21,7 +21,6 @@ __all__ = [
     "GatedDeltaNet",
     "Mamba",
     "Mamba2",
-    "MambaState",
     "MinGRU",
     "SSMBlock",
     "SequenceModel",

@@ -18,6 +18,7 @@ from ssmkit._src.nnx.layers import (
     Mamba,
     Mamba2,
     MinGRU,
+    front_end,
 )
 from ssmkit._src.nnx.model import SequenceModel, generate
 
@@ -34,6 +35,7 @@ __all__ = [
     "SSMBlock",
     "SequenceModel",
     "from_linen",
+    "front_end",
     "generate",
     "to_linen",
 ]

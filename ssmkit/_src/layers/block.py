@@ -126,9 +126,20 @@ class SSMBlock(nn.Module):
   prenorm: bool = True
 
   @nn.compact
-  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-               return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
-    """The block on one step, or on a sequence (from `state` unless None), and the SSM's state."""
+  def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
+              return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `(state, y)`.
+
+    Args:
+      x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
+      mask: None, or `x.shape[:-1]` booleans as `check_mask` returns them.
+      reset: None, or `x.shape[:-1]` booleans.
+      state: the SSM state to start from; None: zeros (sequences only).
+      single_step: `x` is one step (the layer's `step`, inference).
+      return_state: compute the SSM state after a sequence (else it may be None).
+      mode: scan mode of the SSM layer.
+      train: dropout on and BatchNorm on batch statistics.
+    """
     check_choice(self.activation, ACTIVATIONS, "activation")
     norm = Norm(self.norm, name="norm")
     ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
@@ -161,7 +172,7 @@ class SSMBlock(nn.Module):
     """
     x, reset = common.check_sequence(x, reset)
     mask = check_mask(mask, x)
-    state, y = self._forward(x, mask, reset, initial_state, single_step=False,
+    state, y = self.forward(x, mask, reset, initial_state, single_step=False,
                              return_state=return_state, mode=mode, train=train)
     return (y, state) if return_state else y
 
@@ -181,7 +192,7 @@ class SSMBlock(nn.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, H)`.
     """
     x_t, reset = common.check_step(x_t, reset)
-    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
+    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
                          train=False)
 
 

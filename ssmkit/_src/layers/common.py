@@ -87,29 +87,16 @@ def linen_params(module: nn.Module, specs: dict[str, ParamSpec], dtype: Any) -> 
   return create_params(specs, dtype, module.param)
 
 
-def constant(value: np.ndarray) -> nn.initializers.Initializer:
-  """An initialiser that returns `value` (a fixed, e.g. HiPPO-derived, start) broadcast to the shape."""
-
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    del key
-    return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
-
-  return init
-
-
-def uniform(bound: float) -> nn.initializers.Initializer:
-  """U(-bound, bound): with bound 1 / sqrt(fan_in), PyTorch's default for the papers' layers."""
-
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-  return init
-
-
 def check_positive_int(value: Any, name: str) -> None:
   """Raises a ValueError naming `name` unless `value` is a positive int (a layer attribute)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+def check_causal(cfg: Any, what: str) -> None:
+  """Raises a ValueError for a bidirectional layer (S4D, S5) asked for `what` (a step, a state)."""
+  if getattr(cfg, "bidirectional", False):
+    raise ValueError(f"a bidirectional {type(cfg).__name__} has no {what}: it reads the future.")
 
 
 def leading_ones(v: Array, ndim: int) -> Array:
@@ -146,15 +133,21 @@ def shift_back(x: Array, axis: int) -> Array:
   return jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
 
 
-def check_initial_state(initial_state: Any, expected: Any) -> None:
-  """Checks that `initial_state` is None or has the structure, shapes and dtypes of `expected`."""
-  if initial_state is None:
+def check_state(state: Any, expected: Any, name: str = "initial_state") -> None:
+  """Checks that `state` is None or has the structure, shapes and dtypes of `expected`.
+
+  Args:
+    state: a layer's state, or None.
+    expected: the zero state of these inputs (arrays or `jax.ShapeDtypeStruct`s).
+    name: the argument `state` was given as.
+  """
+  if state is None:
     return
-  got = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), initial_state)
-  want = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), expected)
+  got = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), state)
+  want = jax.tree.map(lambda s: (tuple(s.shape), s.dtype), expected)
   if got != want:
     raise ValueError(
-        "`initial_state` must be a state like `initialize_state` makes for these inputs: "
+        f"`{name}` must be a state like `initialize_state` makes for these inputs: "
         f"{want}, got {got}."
     )
 

@@ -10,11 +10,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional
+from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
-from ssmkit._src.layers.mamba import dt_bias_init
-from ssmkit._src.layers.mamba2 import a_log_init, rms_norm
+from ssmkit._src.layers.initializers import a_log_init, dt_bias_init
+from ssmkit._src.layers.norms import rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.modes import Mode
@@ -43,8 +43,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     common.check_positive_int(cfg.d_state, "d_state")
   k, v = _sizes(cfg, features)
   heads = cfg.num_heads
-  linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), common.uniform(fan_in**-0.5))
-  conv = lambda width: ParamSpec((cfg.d_conv, width), common.uniform(cfg.d_conv**-0.5))
+  linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), initializers.uniform(fan_in**-0.5))
+  conv = lambda width: ParamSpec((cfg.d_conv, width), initializers.uniform(cfg.d_conv**-0.5))
   return {
       "q_proj": linear(features, heads * k),
       "k_proj": linear(features, heads * k),
@@ -78,7 +78,6 @@ def _unit(x: Array) -> Array:
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """Gated DeltaNet over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  x, reset = common.check_sequence(x, reset)
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   k_dim, v_dim = _sizes(cfg, features)

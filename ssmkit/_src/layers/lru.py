@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common
+from ssmkit._src.layers import common, functional
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
 
@@ -60,6 +60,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   Returns:
     nu_log, theta_log, gamma_log `(N,)`; B_re, B_im `(N, H)`; C_re, C_im `(H, N)`; D `(H,)`.
   """
+  common.check_positive_int(cfg.d_state, "d_state")
   if not 0 <= cfg.r_min <= cfg.r_max < 1:
     raise ValueError(f"need 0 <= r_min <= r_max < 1, got r_min={cfg.r_min}, r_max={cfg.r_max}.")
   n = cfg.d_state
@@ -93,9 +94,7 @@ def _output(params: dict[str, Array], h: Array, x: Array) -> Array:
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
              mode: str | Mode = "auto", *, initial_state: Array | None = None,
              axis_name: Hashable | None = None) -> tuple[Array, Array]:
-  """The LRU over a whole sequence: `(y, final_state)` (see `LRU.__call__` for the arguments)."""
-  x, reset = common.check_sequence(x, reset)
-  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
+  """The LRU over `(..., T, H)` inputs: `(y, final_state)`; `axis_name` as `LRU` describes it."""
   lam = eigenvalues(params["nu_log"], params["theta_log"])
   xf = x.astype(accumulation_dtype(x.dtype))
   h, last = linear_recurrence(lam, _input(params, xf), initial_state, reset=reset, axis=-2,
@@ -113,7 +112,6 @@ def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Ar
          ) -> tuple[Array, Array]:
   """One LRU step: `(state, y_t)` (see `LRU.step`)."""
   del cfg
-  x_t, reset = common.check_step(x_t, reset)
   state = common.clear(state, reset)
   lam = eigenvalues(params["nu_log"], params["theta_log"])
   xf = x_t.astype(accumulation_dtype(x_t.dtype))
@@ -121,12 +119,19 @@ def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Ar
   return state, _output(params, state, xf).astype(x_t.dtype)
 
 
-class LRU(nn.Module):
+class LRU(functional.LinenLayer):
   """Linear Recurrent Unit: h_t = lambda * h_{t-1} + gamma * B x_t, y_t = Re(C h_t) + D * x_t.
 
-  Inputs `(..., T, H)` give outputs `(..., T, H)`; the state is `d_state` complex numbers.
-  The recurrence runs through `ssmkit.scan.linear_recurrence`, so every scan mode, `reset`
-  flags and the memory-light gradient apply.
+  Inputs `(..., T, H)` give outputs `(..., T, H)`; the state is `(*batch, d_state)`
+  complex64. The recurrence runs through `ssmkit.scan.linear_recurrence`, so every scan
+  mode, `reset` flags and the memory-light gradient apply.
+
+  Sequence parallelism: `__call__` takes `axis_name=`. Inside `jax.shard_map` with the time
+  axis of `x` and `reset` split over the mesh axis of this name (consecutive slices of equal
+  length in mesh order) and the parameters replicated, each device returns its slice of the
+  outputs for the whole sequence (see `ssmkit.scan.linear_recurrence`). `initial_state` is
+  read on the device holding the first steps; the returned state is the whole sequence's,
+  the same on every device.
 
   Attributes:
     d_state: number of complex state dimensions N.
@@ -134,6 +139,10 @@ class LRU(nn.Module):
     r_max: largest initial eigenvalue modulus (< 1).
     max_phase: initial eigenvalue phases are uniform in [0, max_phase].
     param_dtype: dtype of the parameters.
+
+  References:
+    Orvieto et al., "Resurrecting recurrent neural networks for long sequences", ICML 2023
+    (arXiv:2303.06349).
   """
 
   d_state: int = 64
@@ -145,56 +154,4 @@ class LRU(nn.Module):
   # Trained with the SSM learning rate and no weight decay, as in the LRU paper.
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"nu_log", "theta_log", "gamma_log", "B_re", "B_im"}))
-
-  def __post_init__(self) -> None:
-    common.check_positive_int(self.d_state, "d_state")
-    super().__post_init__()
-
-  @nn.compact
-  def _params(self, features: int) -> dict[str, Array]:
-    return common.linen_params(self, param_specs(self, features), self.param_dtype)
-
-  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Array | None = None, return_state: bool = False,
-               axis_name: Hashable | None = None) -> Array | tuple[Array, Array]:
-    """Runs the whole sequence.
-
-    Args:
-      x: `(..., T, H)` inputs.
-      reset: optional `(..., T)` booleans; True clears the state before that step.
-      mode: scan mode of the recurrence ("auto", "sequential", "parallel", "chunked").
-      initial_state: optional `(..., d_state)` complex state to start from, as `step` makes
-        it; default zeros.
-      return_state: also return the state after the last step.
-      axis_name: sequence parallelism: inside `jax.shard_map` with the time axis of `x` and
-        `reset` split over the mesh axis of this name (consecutive slices of equal length
-        in mesh order) and the parameters replicated, return this device's slice of the
-        outputs for the whole sequence (see `ssmkit.scan.linear_recurrence`).
-        `initial_state` is read on the device holding the first steps; the returned state
-        is the whole sequence's, the same on every device.
-
-    Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
-    """
-    x, reset = common.check_sequence(x, reset)
-    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
-                       initial_state=initial_state, axis_name=axis_name)
-    return (y, last) if return_state else y
-
-  def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
-    """The zero state `(*batch, d_state)` complex64 for inputs `(*batch, H)` of one step."""
-    return initialize_state(self, input_shape)
-
-  def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
-    """Advances one step.
-
-    Args:
-      state: `(*batch, d_state)` complex state.
-      x_t: `(*batch, H)` input of this step.
-      reset: optional `(*batch,)` booleans; True clears the state before this step.
-
-    Returns:
-      `(state, y_t)`: the new state and the `(*batch, H)` output.
-    """
-    x_t, reset = common.check_step(x_t, reset)
-    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)
+  maths = functional.Maths(param_specs, sequence, step, initialize_state)

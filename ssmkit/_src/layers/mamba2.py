@@ -10,28 +10,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional
+from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
-from ssmkit._src.layers.mamba import dt_bias_init
+from ssmkit._src.layers.initializers import a_log_init, dt_bias_init
+from ssmkit._src.layers.norms import gated_rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.linear_attention import linear_attention
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
-
-# The gated RMSNorm's epsilon, as in the reference module.
-NORM_EPS = 1e-5
-
-
-def a_log_init(low: float, high: float) -> nn.initializers.Initializer:
-  """log A for A uniform in (low, high]: the log of one decay rate per head."""
-
-  def init(key: Array, shape, dtype=jnp.float32) -> Array:
-    return jnp.log(high - (high - low) * jax.random.uniform(key, shape, dtype))
-
-  return init
-
 
 def _sizes(cfg: Any, features: int) -> tuple[int, int, int]:
   """(inner width, heads, width of B and C together) of a Mamba-2 block over `features`."""
@@ -51,14 +39,14 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   conv = inner + bc
   # nn.Linear and nn.Conv1d initialise as U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   return {
-      "in_proj": ParamSpec((features, 2 * inner + bc + heads), common.uniform(features**-0.5)),
-      "conv_kernel": ParamSpec((cfg.d_conv, conv), common.uniform(cfg.d_conv**-0.5)),
-      "conv_bias": ParamSpec((conv,), common.uniform(cfg.d_conv**-0.5)),
+      "in_proj": ParamSpec((features, 2 * inner + bc + heads), initializers.uniform(features**-0.5)),
+      "conv_kernel": ParamSpec((cfg.d_conv, conv), initializers.uniform(cfg.d_conv**-0.5)),
+      "conv_bias": ParamSpec((conv,), initializers.uniform(cfg.d_conv**-0.5)),
       "dt_bias": ParamSpec((heads,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
       "A_log": ParamSpec((heads,), a_log_init(1.0, 16.0)),
       "D": ParamSpec((heads,), nn.initializers.ones),
       "norm_scale": ParamSpec((inner,), nn.initializers.ones),
-      "out_proj": ParamSpec((inner, features), common.uniform(inner**-0.5)),
+      "out_proj": ParamSpec((inner, features), initializers.uniform(inner**-0.5)),
   }
 
 
@@ -72,21 +60,9 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentSta
   )
 
 
-def rms_norm(y: Array, scale: Array) -> Array:
-  """RMSNorm over the last axis, scaled per channel by `scale`."""
-  return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * common.leading_ones(
-      scale, y.ndim)
-
-
-def gated_rms_norm(y: Array, gate: Array, scale: Array) -> Array:
-  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm)."""
-  return rms_norm(y * jax.nn.silu(gate), scale)
-
-
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """The Mamba-2 block over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  x, reset = common.check_sequence(x, reset)
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   inner, heads, bc = _sizes(cfg, features)

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional
+from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
@@ -25,7 +25,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   if cfg.d_state is not None:
     common.check_positive_int(cfg.d_state, "d_state")
   width = _width(cfg, features)
-  bound = common.uniform(features**-0.5)
+  bound = initializers.uniform(features**-0.5)
   specs = {
       "z_proj": ParamSpec((features, width), bound),
       "z_bias": ParamSpec((width,), bound),
@@ -33,7 +33,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
       "h_bias": ParamSpec((width,), bound),
   }
   if width != features:
-    specs["out_proj"] = ParamSpec((width, features), common.uniform(width**-0.5))
+    specs["out_proj"] = ParamSpec((width, features), initializers.uniform(width**-0.5))
   return specs
 
 
@@ -46,7 +46,6 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: Array | None = None) -> tuple[Array, Array]:
   """minGRU over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  x, reset = common.check_sequence(x, reset)
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   xf = x.astype(accumulation_dtype(x.dtype))
   dense = lambda name: xf @ params[f"{name}_proj"] + common.leading_ones(params[f"{name}_bias"], xf.ndim)

@@ -34,7 +34,7 @@ class _ScannedBlock(nn.Module):
     self.block = SSMBlock(**self.config)
 
   def __call__(self, x: Array, state: Any, mask: Array | None, reset: Array | None) -> tuple[Array, Any]:
-    state, x = self.block._forward(x, mask, reset, state, single_step=self.single_step,
+    state, x = self.block.forward(x, mask, reset, state, single_step=self.single_step,
                                    return_state=self.return_state, mode=self.mode, train=self.train)
     return x, state
 
@@ -106,7 +106,7 @@ class SequenceModel(nn.Module):
       states = []
       for i in range(self.num_blocks):
         block = SSMBlock(**self._block_config(), name=f"block_{i}")
-        block_state, x = block._forward(x, mask, reset, None if state is None else state[i], **flags)
+        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
         states.append(block_state)
       state = tuple(states)
     if self.prenorm:

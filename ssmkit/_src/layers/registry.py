@@ -2,14 +2,17 @@
 
 A layer joins by one entry in `LAYERS` (its class name in lower case, words joined by "_"); what a
 trainer needs to know about it, the layer declares itself: its fields (the keyword arguments a
-config may set) and its `parameter_groups`.
+config may set) and its `parameter_groups`. Its NNX front end is made from the linen class
+(`ssmkit.nnx.front_end`), and the tests and `ssmkit bench layers` read the entries: the contract
+tests run every entry's `test_configs`, so a registered layer is tested like every other.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
+from typing import Any, NamedTuple
 
 from ssmkit._src.layers.block import ACTIVATIONS, NORMS
+from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
@@ -20,15 +23,31 @@ from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
 
-LAYERS: dict[str, type[nn.Module]] = {
-    "lru": LRU,
-    "s4d": S4D,
-    "s5": S5,
-    "mamba": Mamba,
-    "mamba2": Mamba2,
-    "gated_deltanet": GatedDeltaNet,
-    "rglru": RGLRU,
-    "mingru": MinGRU,
+
+class Entry(NamedTuple):
+  """One registered layer.
+
+  Attributes:
+    layer: the linen layer class, a `functional.LinenLayer`.
+    test_configs: small configurations (keyword arguments) for inputs of 4 to 8 channels
+      that the contract tests build the layer with: the first is the layer's own, the
+      others variants that take other paths of its code (a discretisation, a block layout).
+  """
+
+  layer: type[LinenLayer]
+  test_configs: tuple[dict[str, Any], ...]
+
+
+LAYERS: dict[str, Entry] = {
+    "lru": Entry(LRU, ({"d_state": 6},)),
+    "s4d": Entry(S4D, ({"d_state": 6}, {"d_state": 4, "a_init": "lin", "discretization": "bilinear"})),
+    "s5": Entry(S5, ({"d_state": 8},
+                     {"d_state": 6, "blocks": 2, "conj_sym": False, "discretization": "bilinear"})),
+    "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3},)),
+    "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3},)),
+    "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
+    "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
+    "mingru": Entry(MinGRU, ({"d_state": 6},)),
 }
 
-__all__ = ["ACTIVATIONS", "LAYERS", "NORMS", "POOLINGS"]
+__all__ = ["ACTIVATIONS", "LAYERS", "NORMS", "POOLINGS", "Entry"]

@@ -103,7 +103,6 @@ def _block_diagonal(x: Array, w: Array, b: Array) -> Array:
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """Griffin's recurrent block over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  x, reset = common.check_sequence(x, reset)
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   xf = x.astype(accumulation_dtype(x.dtype))
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src import discretization, hippo
-from ssmkit._src.layers import common
+from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode, parse_mode
 
@@ -45,6 +45,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     log_dt `(H,)`; log_a_real, a_imag, B_re, B_im `(H, N/2)`; C_re, C_im
     `(directions, H, N/2)`; D `(H,)`.
   """
+  common.check_positive_int(cfg.d_state, "d_state")
   a, b = _initial_modes(cfg)
   discretization.by_name(cfg.discretization)  # an unknown name is refused here, on creation
   shape = (features, a.shape[0])
@@ -54,10 +55,10 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   return {
       "log_dt": common.ParamSpec((features,),
                                  discretization.log_step_init(cfg.dt_min, cfg.dt_max)),
-      "log_a_real": common.ParamSpec(shape, common.constant(np.log(-a.real))),
-      "a_imag": common.ParamSpec(shape, common.constant(a.imag)),
-      "B_re": common.ParamSpec(shape, common.constant(b.real)),
-      "B_im": common.ParamSpec(shape, common.constant(b.imag)),
+      "log_a_real": common.ParamSpec(shape, initializers.constant(np.log(-a.real))),
+      "a_imag": common.ParamSpec(shape, initializers.constant(a.imag)),
+      "B_re": common.ParamSpec(shape, initializers.constant(b.real)),
+      "B_im": common.ParamSpec(shape, initializers.constant(b.imag)),
       "C_re": c,
       "C_im": c,
       "D": common.ParamSpec((features,), nn.initializers.normal(1.0)),
@@ -89,15 +90,13 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
   The final state is None when the convolution runs: by `mode="convolution"`, or by "auto"
   without `reset`, `initial_state` and `return_state` (True: the caller reads the state).
   """
-  x, reset = common.check_sequence(x, reset)
   stateful = initial_state is not None or return_state
-  if cfg.bidirectional and stateful:
-    raise ValueError("a bidirectional S4D has no state to start from or return: it reads the future.")
+  if stateful:
+    common.check_causal(cfg, "state to start from or return")
   if mode == CONVOLUTION and (reset is not None or stateful):
     raise ValueError(
         "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
     )
-  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
   mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
   if mode is Mode.AUTO and reset is None and not stateful:
     mode = CONVOLUTION
@@ -157,21 +156,17 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
 def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Array | None = None
          ) -> tuple[Array, Array]:
   """One step of a causal S4D: `(state, y_t)` (see `S4D.step`)."""
-  if cfg.bidirectional:
-    raise ValueError("a bidirectional S4D has no step mode: its output needs the future.")
-  x_t, reset = common.check_step(x_t, reset)
+  common.check_causal(cfg, "step mode")
   a_bar, b_bar, c = _system(cfg, params)
-  state = common.clear(state, reset)
   xf = x_t.astype(accumulation_dtype(x_t.dtype))
-  state = common.leading_ones(a_bar, state.ndim) * state + xf[..., None] * common.leading_ones(
-      b_bar, state.ndim
-  )
+  state = common.leading_ones(a_bar, state.ndim) * common.clear(state, reset) + (
+      xf[..., None] * common.leading_ones(b_bar, state.ndim))
   y = 2 * jnp.einsum("...hn,hn->...h", state, c[0]).real + xf * common.leading_ones(
       params["D"], xf.ndim)
   return state, y.astype(x_t.dtype)
 
 
-class S4D(nn.Module):
+class S4D(functional.LinenLayer):
   """Diagonal SSM per channel: x' = A x + B u, y = 2 Re(C x) + D u, A = -exp(a_re) + i a_im.
 
   Inputs `(..., T, H)` give outputs `(..., T, H)`. Each of the H channels has `d_state / 2`
@@ -179,7 +174,9 @@ class S4D(nn.Module):
   taking twice the real part). `mode="convolution"` computes the kernel
   K_l = 2 Re(sum_n C_n B_bar_n A_bar_n^l) by a Vandermonde product and convolves by FFT;
   the scan modes run the recurrence through `ssmkit.scan.linear_recurrence`. `"auto"` is
-  the convolution without `reset` (resets need the recurrence) and the scan otherwise.
+  the convolution without `reset`, `initial_state` and `return_state` (each needs the
+  recurrence), and the scan otherwise. The state is `(*batch, H, d_state / 2)` complex64;
+  a bidirectional S4D has none (no `initial_state`, `return_state` or `step`).
 
   Attributes:
     d_state: real state size N per channel (even): N / 2 complex modes.
@@ -204,56 +201,9 @@ class S4D(nn.Module):
   # Trained with the SSM learning rate and no weight decay, as in the S4 papers.
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"log_dt", "log_a_real", "a_imag", "B_re", "B_im"}))
-
-  def __post_init__(self) -> None:
-    common.check_positive_int(self.d_state, "d_state")
-    super().__post_init__()
-
-  @nn.compact
-  def _params(self, features: int) -> dict[str, Array]:
-    return common.linen_params(self, param_specs(self, features), self.param_dtype)
+  maths = functional.Maths(param_specs, sequence, step, initialize_state,
+                           final_state_on_request=True, methods={"kernel": kernel})
 
   def kernel(self, length: int, features: int) -> Array:
     """The convolution kernel `(directions, length, H)` for inputs of width `features`, float32."""
     return kernel(self, self._params(features), length)
-
-  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Array | None = None, return_state: bool = False
-               ) -> Array | tuple[Array, Array]:
-    """Runs the whole sequence.
-
-    Args:
-      x: `(..., T, H)` inputs.
-      reset: optional `(..., T)` booleans; True clears the state before that step (in
-        both directions when bidirectional).
-      mode: "convolution", or a scan mode ("auto", "sequential", "parallel", "chunked");
-        "auto" convolves when there is no `reset`, `initial_state` or `return_state`.
-      initial_state: optional `(..., H, d_state / 2)` complex state to start from, as `step`
-        makes it; default zeros (causal S4D, scan modes).
-      return_state: also return the state after the last step (causal S4D, scan modes).
-
-    Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
-    """
-    x, reset = common.check_sequence(x, reset)
-    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
-                       initial_state=initial_state, return_state=return_state)
-    return (y, last) if return_state else y
-
-  def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
-    """The zero state `(*batch, H, d_state / 2)` complex64 for inputs `(*batch, H)`."""
-    return initialize_state(self, input_shape)
-
-  def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
-    """Advances one step (causal S4D only).
-
-    Args:
-      state: `(*batch, H, d_state / 2)` complex state.
-      x_t: `(*batch, H)` input of this step.
-      reset: optional `(*batch,)` booleans; True clears the state before this step.
-
-    Returns:
-      `(state, y_t)`: the new state and the `(*batch, H)` output.
-    """
-    x_t, reset = common.check_step(x_t, reset)
-    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)

@@ -13,7 +13,7 @@ import numpy as np
 import scipy.linalg
 
 from ssmkit._src import discretization, hippo
-from ssmkit._src.layers import common
+from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
 
@@ -63,6 +63,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     Lambda_re, Lambda_im `(M,)` for M modes; B `(2, M, H)` and C `(2, directions, H, M)`
     (real and imaginary parts stacked); D `(H,)`; log_dt `(M,)`.
   """
+  common.check_positive_int(cfg.d_state, "d_state")
   lam, v = _eigenbasis(cfg)
   discretization.by_name(cfg.discretization)  # an unknown name is refused here, on creation
   modes = lam.shape[0]
@@ -77,8 +78,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     return jax.lax.complex(lecun(re, shape), lecun(im, shape))
 
   return {
-      "Lambda_re": common.ParamSpec((modes,), common.constant(lam.real)),
-      "Lambda_im": common.ParamSpec((modes,), common.constant(lam.imag)),
+      "Lambda_re": common.ParamSpec((modes,), initializers.constant(lam.real)),
+      "Lambda_im": common.ParamSpec((modes,), initializers.constant(lam.imag)),
       "B": common.ParamSpec((2, modes, features),
                             _in_eigenbasis(draw_b, np.linalg.pinv(v), left=True)),
       "C": common.ParamSpec((2, directions, features, modes),
@@ -110,10 +111,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
 
   `return_state` says the caller reads the final state, which a bidirectional S5 refuses.
   """
-  x, reset = common.check_sequence(x, reset)
-  if cfg.bidirectional and (initial_state is not None or return_state):
-    raise ValueError("a bidirectional S5 has no state to start from or return: it reads the future.")
-  common.check_initial_state(initial_state, initialize_state(cfg, x.shape[:-2] + x.shape[-1:]))
+  if initial_state is not None or return_state:
+    common.check_causal(cfg, "state to start from or return")
   lam_bar, b_bar, c = _system(cfg, params)
   xf = x.astype(accumulation_dtype(x.dtype))
   inputs = xf.astype(b_bar.dtype) @ b_bar.T
@@ -140,25 +139,24 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
 def step(cfg: Any, params: dict[str, Array], state: Array, x_t: Array, reset: Array | None = None
          ) -> tuple[Array, Array]:
   """One step of a causal S5: `(state, y_t)` (see `S5.step`)."""
-  if cfg.bidirectional:
-    raise ValueError("a bidirectional S5 has no step mode: its output needs the future.")
-  x_t, reset = common.check_step(x_t, reset)
+  common.check_causal(cfg, "step mode")
   lam_bar, b_bar, c = _system(cfg, params)
-  state = common.clear(state, reset)
   xf = x_t.astype(accumulation_dtype(x_t.dtype))
-  state = common.leading_ones(lam_bar, state.ndim) * state + xf.astype(b_bar.dtype) @ b_bar.T
+  state = (common.leading_ones(lam_bar, state.ndim) * common.clear(state, reset)
+           + xf.astype(b_bar.dtype) @ b_bar.T)
   y = _read(cfg, state, c[0]) + xf * common.leading_ones(params["D"], xf.ndim)
   return state, y.astype(x_t.dtype)
 
 
-class S5(nn.Module):
+class S5(functional.LinenLayer):
   """MIMO diagonal SSM: x_t = Lambda_bar x_{t-1} + B_bar u_t, y_t = Re(C x_t) + D u_t.
 
   Inputs `(..., T, H)` give outputs `(..., T, H)` through one state of `d_state` complex
   dimensions shared by all channels. Lambda starts at the eigenvalues of HiPPO-N (in
   `blocks` diagonal blocks), B and C are drawn in the original basis and moved into the
   eigenbasis (V^-1 B, C V). With `conj_sym` only half the modes are kept and the output
-  takes twice the real part, as in the paper's code.
+  takes twice the real part, as in the paper's code. The state is `(*batch, modes)`
+  complex64; a bidirectional S5 has none (no `initial_state`, `return_state` or `step`).
 
   Attributes:
     d_state: state size P (with `conj_sym`, P / 2 complex modes are stored).
@@ -184,51 +182,4 @@ class S5(nn.Module):
   # Trained with the SSM learning rate and no weight decay, as in the S5 paper.
   parameter_groups = common.ParameterGroups(
       recurrence=frozenset({"Lambda_re", "Lambda_im", "B", "log_dt"}))
-
-  def __post_init__(self) -> None:
-    common.check_positive_int(self.d_state, "d_state")
-    super().__post_init__()
-
-  @nn.compact
-  def _params(self, features: int) -> dict[str, Array]:
-    return common.linen_params(self, param_specs(self, features), self.param_dtype)
-
-  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Array | None = None, return_state: bool = False
-               ) -> Array | tuple[Array, Array]:
-    """Runs the whole sequence.
-
-    Args:
-      x: `(..., T, H)` inputs.
-      reset: optional `(..., T)` booleans; True clears the state before that step (in
-        both directions when bidirectional).
-      mode: scan mode of the recurrence ("auto", "sequential", "parallel", "chunked").
-      initial_state: optional `(..., modes)` complex state to start from, as `step` makes it;
-        default zeros (causal S5 only).
-      return_state: also return the state after the last step (causal S5 only).
-
-    Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
-    """
-    x, reset = common.check_sequence(x, reset)
-    y, last = sequence(self, self._params(x.shape[-1]), x, reset, mode,
-                       initial_state=initial_state, return_state=return_state)
-    return (y, last) if return_state else y
-
-  def initialize_state(self, input_shape: tuple[int, ...]) -> Array:
-    """The zero state `(*batch, modes)` complex64 for inputs `(*batch, H)`."""
-    return initialize_state(self, input_shape)
-
-  def step(self, state: Array, x_t: Array, reset: Array | None = None) -> tuple[Array, Array]:
-    """Advances one step (causal S5 only).
-
-    Args:
-      state: `(*batch, modes)` complex state.
-      x_t: `(*batch, H)` input of this step.
-      reset: optional `(*batch,)` booleans; True clears the state before this step.
-
-    Returns:
-      `(state, y_t)`: the new state and the `(*batch, H)` output.
-    """
-    x_t, reset = common.check_step(x_t, reset)
-    return step(self, self._params(x_t.shape[-1]), state, x_t, reset)
+  maths = functional.Maths(param_specs, sequence, step, initialize_state, final_state_on_request=True)

@@ -95,9 +95,10 @@ class SSMBlock(nnx.Module):
     self.glu_value = linear() if activation == "glu" else None
     self.glu_gate = linear() if activation != "gelu" else None
 
-  def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
+  def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
               single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
-    """`(state, y)`: the block on one step, or on a sequence (from `state` unless None)."""
+    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
+    `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
     return residual(
         x, mask,
         functools.partial(run_layer, self.ssm, reset=reset, state=state, single_step=single_step,
@@ -123,7 +124,7 @@ class SSMBlock(nnx.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    state, y = self._forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
+    state, y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
                             return_state=return_state, mode=mode)
     return (y, state) if return_state else y
 
@@ -143,4 +144,4 @@ class SSMBlock(nnx.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, H)`.
     """
     x_t, reset = common.check_step(x_t, reset)
-    return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
+    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,10 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
     3
   """
   rngs = nnx.Rngs(0) if rngs is None else rngs
+  if not isinstance(variables, dict | flax.core.FrozenDict) or "params" not in variables:
+    raise ValueError("`variables` must be the module's variables, `{\"params\": ...}` as `init` "
+                     f"returns them, got {type(variables).__name__} with keys "
+                     f"{sorted(variables) if hasattr(variables, 'keys') else None}.")
   params = variables["params"]
   if isinstance(module, linen_model.SequenceModel):
     in_features = None if module.vocab_size is not None else np.shape(params["encoder"]["kernel"])[0]

@@ -1,50 +1,41 @@
-"""The SSM layers as Flax NNX modules: each holds the parameters its layer's `param_specs` lists
-and runs the layer's own functions, the ones its linen module runs.
+"""The SSM layers as Flax NNX modules, each made from its linen layer: it holds the parameters
+the layer's `param_specs` lists and runs the layer's own functions (`maths`), the ones the
+linen module runs.
 
-An NNX front end for a layer of `ssmkit/_src/layers/` is a subclass of `Layer` that names the
-layer's module of functions and its linen module:
-
-    class LRU(Layer):
-      maths = lru
-      linen = lru.LRU
+`front_end(linen_layer_class)` gives the NNX module class of any layer of the one pattern
+(a `functional.LinenLayer` with its `Maths`), so a new layer needs no NNX code of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 from flax import nnx
 
-from ssmkit._src.layers import common, gated_deltanet, lru, mamba, mamba2, mingru, rglru, s4d, s5
+from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.gated_deltanet import GatedDeltaNet as _GatedDeltaNet
+from ssmkit._src.layers.lru import LRU as _LRU
+from ssmkit._src.layers.mamba import Mamba as _Mamba
+from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
+from ssmkit._src.layers.mingru import MinGRU as _MinGRU
+from ssmkit._src.layers.rglru import RGLRU as _RGLRU
+from ssmkit._src.layers.s4d import S4D as _S4D
+from ssmkit._src.layers.s5 import S5 as _S5
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
-# Each front end by the linen layer it mirrors, for the conversions.
+# Each front end by the linen layer it mirrors.
 _BY_LINEN: dict[type[nn.Module], type[Layer]] = {}
 
 
 def option_names(linen: type[nn.Module]) -> tuple[str, ...]:
   """The options of a linen layer class: its dataclass fields but `parent` and `name`."""
   return tuple(f.name for f in dataclasses.fields(linen) if f.init and f.name not in ("parent", "name"))
-
-
-def front_end(linen: type[nn.Module], argument: str) -> type[Layer]:
-  """The NNX layer class of the linen layer class `linen` (or of the layer it subclasses).
-
-  Raises:
-    TypeError: naming `argument` when `linen` is not a layer of `ssmkit.layers`.
-  """
-  for cls in linen.__mro__:
-    if cls in _BY_LINEN:
-      return _BY_LINEN[cls]
-  raise TypeError(f"`{argument}` must be a layer of ssmkit.layers, an SSMBlock or a SequenceModel, "
-                  f"got {linen.__name__}.")
 
 
 def _signature(linen: type[nn.Module]) -> inspect.Signature:
@@ -64,23 +55,24 @@ class Layer(nnx.Module):
   The options are the fields of the linen layer (`linen`), with its defaults and its checks;
   the parameters are those of the layer's `param_specs`, by the same names as in the linen
   layer's parameter tree, drawn from `rngs.params()`; `__call__`, `step` and
-  `initialize_state` run the layer's functions (`maths`), so both front ends compute the same.
+  `initialize_state` run the layer's functions (`linen.maths`), so both front ends compute
+  the same.
 
   Attributes:
     features: the input width H.
     parameter_groups: the linen layer's `ParameterGroups`.
   """
 
-  maths: ClassVar[types.ModuleType]
-  linen: ClassVar[type[nn.Module]]
+  linen: ClassVar[type[functional.LinenLayer]]
+  maths: ClassVar[functional.Maths]
   parameter_groups: ClassVar[common.ParameterGroups]
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)
-    if "linen" in cls.__dict__:
-      cls.parameter_groups = cls.linen.parameter_groups
-      cls.__signature__ = _signature(cls.linen)
-      _BY_LINEN[cls.linen] = cls
+    cls.maths = cls.linen.maths
+    cls.parameter_groups = cls.linen.parameter_groups
+    cls.__signature__ = _signature(cls.linen)
+    _BY_LINEN[cls.linen] = cls
 
   def __init__(self, features: int, *, rngs: nnx.Rngs, **options: Any):
     common.check_positive_int(features, "features")
@@ -98,7 +90,8 @@ class Layer(nnx.Module):
     for name, value in params.items():
       setattr(self, name, nnx.Param(value))
 
-  def _params(self) -> dict[str, Array]:
+  def _params(self, features: int | None = None) -> dict[str, Array]:
+    del features  # the parameters exist already
     return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
@@ -116,88 +109,65 @@ class Layer(nnx.Module):
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
-    y, last = self.maths.sequence(self, self._params(), x, reset, mode, initial_state=initial_state,
-                                  **options)
-    return (y, last) if return_state else y
+    return functional.run_sequence(self.maths, self, self._params, x, reset, mode,
+                                   initial_state=initial_state, return_state=return_state,
+                                   options=options)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The zero state for inputs `(*batch, H)` of one step."""
-    return self.maths.initialize_state(self, input_shape)
+    return self.maths.initialize_state(self, tuple(input_shape))
 
   def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
     """Advances one step from `state` on `(*batch, H)` inputs; `(state, y_t)`.
 
     `reset`: optional `(*batch,)` booleans; True clears the state before this step.
     """
-    return self.maths.step(self, self._params(), state, x_t, reset)
+    return functional.run_step(self.maths, self, self._params, state, x_t, reset)
 
 
-class _StatefulOnRequest(Layer):
-  """A layer whose final state exists only when asked for (S4D's convolution, bidirectional S5)."""
+def _method(fn: functional.Method) -> Any:
+  """`fn(cfg, params, *args)` as a method of an NNX layer."""
 
-  def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Any = None, return_state: bool = False) -> Any:
-    """Runs the whole sequence, as the linen layer's `__call__` does (see `Layer.__call__`)."""
-    y, last = self.maths.sequence(self, self._params(), x, reset, mode, initial_state=initial_state,
-                                  return_state=return_state)
-    return (y, last) if return_state else y
+  def method(self: Layer, *args: Any) -> Any:
+    return fn(self, self._params(), *args)
 
-
-class LRU(Layer):
-  """`ssmkit.layers.LRU` as an NNX module: `LRU(features, d_state=64, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = lru
-  linen = lru.LRU
+  method.__name__, method.__doc__ = fn.__name__, fn.__doc__
+  return method
 
 
-class S4D(_StatefulOnRequest):
-  """`ssmkit.layers.S4D` as an NNX module: `S4D(features, d_state=64, ..., rngs=nnx.Rngs(0))`."""
+def front_end(linen: type[nn.Module], argument: str = "layer") -> type[Layer]:
+  """The NNX layer class of the linen layer class `linen` (or of the layer it subclasses).
 
-  maths = s4d
-  linen = s4d.S4D
+  Made on first use from the linen layer's options, `Maths` and parameter groups, then kept.
 
-  def kernel(self, length: int) -> Array:
-    """The convolution kernel `(directions, length, H)`, float32."""
-    return s4d.kernel(self, self._params(), length)
+  Args:
+    linen: a linen layer class: a `LinenLayer` subclass with its `maths`, such as every
+      layer of `ssmkit.layers`.
+    argument: the name of the argument `linen` came from, for the error message.
 
-
-class S5(_StatefulOnRequest):
-  """`ssmkit.layers.S5` as an NNX module: `S5(features, d_state=64, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = s5
-  linen = s5.S5
-
-
-class Mamba(Layer):
-  """`ssmkit.layers.Mamba` as an NNX module: `Mamba(features, d_state=16, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = mamba
-  linen = mamba.Mamba
-
-
-class Mamba2(Layer):
-  """`ssmkit.layers.Mamba2` as an NNX module: `Mamba2(features, d_state=64, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = mamba2.Mamba2.maths
-  linen = mamba2.Mamba2
+  Raises:
+    TypeError: naming `argument` when `linen` is not such a layer.
+  """
+  for cls in linen.__mro__:
+    if cls in _BY_LINEN:
+      return _BY_LINEN[cls]
+  owner = next((cls for cls in linen.__mro__ if cls.__dict__.get("maths") is not None), None)
+  if owner is None or not issubclass(owner, functional.LinenLayer):
+    raise TypeError(f"`{argument}` must be a layer of ssmkit.layers (a LinenLayer with its `maths`), "
+                    f"an SSMBlock or a SequenceModel, got {linen.__name__}.")
+  name = owner.__name__
+  doc = (f"`{name}` as an NNX module: `{name}(features, *, <the linen layer's options>, rngs)`, "
+         f"the maths of the linen layer below.\n\n{owner.__doc__ or ''}")
+  methods = {method: _method(fn) for method, fn in owner.maths.methods.items()}
+  return type(name, (Layer,), {"linen": owner, "__doc__": doc, "__module__": "ssmkit.nnx",
+                               "__qualname__": name, **methods})
 
 
-class GatedDeltaNet(Layer):
-  """`ssmkit.layers.GatedDeltaNet` as an NNX module: `GatedDeltaNet(features, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = gated_deltanet.GatedDeltaNet.maths
-  linen = gated_deltanet.GatedDeltaNet
-
-
-class RGLRU(Layer):
-  """`ssmkit.layers.RGLRU` as an NNX module: `RGLRU(features, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = rglru.RGLRU.maths
-  linen = rglru.RGLRU
-
-
-class MinGRU(Layer):
-  """`ssmkit.layers.MinGRU` as an NNX module: `MinGRU(features, ..., rngs=nnx.Rngs(0))`."""
-
-  maths = mingru.MinGRU.maths
-  linen = mingru.MinGRU
+LRU = front_end(_LRU)
+S4D = front_end(_S4D)
+S5 = front_end(_S5)
+Mamba = front_end(_Mamba)
+Mamba2 = front_end(_Mamba2)
+GatedDeltaNet = front_end(_GatedDeltaNet)
+RGLRU = front_end(_RGLRU)
+MinGRU = front_end(_MinGRU)

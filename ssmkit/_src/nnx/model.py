@@ -113,14 +113,14 @@ class SequenceModel(nnx.Module):
 
       @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
       def through(block: SSMBlock, x: Array, block_state: Any) -> tuple[Array, Any]:
-        block_state, x = block._forward(x, mask, reset, block_state, **flags)
+        block_state, x = block.forward(x, mask, reset, block_state, **flags)
         return x, block_state
 
       x, state = through(self.blocks, x, state)
     else:
       states = []
       for i, block in enumerate(self.blocks):
-        block_state, x = block._forward(x, mask, reset, None if state is None else state[i], **flags)
+        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
         states.append(block_state)
       state = tuple(states)
     if self.final_norm is not None:

@@ -111,7 +111,7 @@ def check_layer_kwargs(config: ModelConfig) -> None:
   Raises:
     ConfigError: naming `model.layer_kwargs.<key>`, the layer and what it expected.
   """
-  cls = LAYERS[config.layer]
+  cls = LAYERS[config.layer].layer
   fields = _layer_fields(cls)
   for key, value in config.layer_kwargs.items():
     if key not in fields:
@@ -147,7 +147,7 @@ def check_layer_values(config: ModelConfig) -> None:
   Raises:
     ConfigError: naming `model.layer_kwargs.<key>` and the layer's error.
   """
-  cls, kwargs = LAYERS[config.layer], config.layer_kwargs
+  cls, kwargs = LAYERS[config.layer].layer, config.layer_kwargs
   error = _layer_error(cls, kwargs, config.features)
   if error is None:
     return
@@ -179,7 +179,7 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
   check_layer_values(config)
   return layers.SequenceModel(
       num_outputs=num_outputs,
-      layer=functools.partial(LAYERS[config.layer], **config.layer_kwargs),
+      layer=functools.partial(LAYERS[config.layer].layer, **config.layer_kwargs),
       features=config.features,
       num_blocks=config.num_blocks,
       vocab_size=vocab_size,
@@ -200,14 +200,14 @@ def parameter_labels(params: Any, layer: str) -> Any:
   embeddings are "no_decay" and every other parameter "decay".
 
   Args:
-    params: the "params" collection of a `SequenceModel` built with `LAYERS[layer]`, or the
+    params: the "params" collection of a `SequenceModel` built with `LAYERS[layer].layer`, or the
       `nnx.Param` state of an `ssmkit.nnx.SequenceModel` of that layer.
     layer: a key of `LAYERS`.
 
   Returns:
     A tree like `params` with one label string per leaf.
   """
-  groups = LAYERS[layer].parameter_groups
+  groups = LAYERS[layer].layer.parameter_groups
 
   def label(path: tuple[Any, ...], _: Any) -> str:
     # Dict keys name the scopes; in an NNX state each leaf is further a Variable's attribute.
