@@ -1,5 +1,8 @@
 """Test configuration: 8 host devices, strict rank promotion, exact float32 matrix products,
-float64 available for references."""
+float64 available for references, and one persistent compilation cache for the whole run."""
+
+import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -16,6 +19,20 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # float32 matrix products in TF32 and TPUs in bfloat16 passes by default (docs/precision.md):
 # ask every backend for full float32, as the CPU computes anyway.
 jax.config.update("jax_default_matmul_precision", "highest")
+# Most of the suite's time is XLA compiling small programs, many of them more than once: in
+# each xdist worker, in the subprocesses some tests start, and where a test builds a new
+# function that traces to the same program. A program compiled once is read back from disk.
+# XLA's optimisation passes cost the tests more than they save: the programs are small and
+# run a few times (the benchmarks, not the tests, measure speed). The environment carries
+# both settings into the subprocesses the tests start.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_disable_most_optimizations",
+                  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false", "False"))
 
 
 @pytest.fixture(autouse=True)

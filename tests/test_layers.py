@@ -9,6 +9,7 @@ import pytest
 import scipy.linalg
 from flax import nnx
 
+import compiled
 import registered
 from ssmkit import layers
 from ssmkit._src import hippo
@@ -30,12 +31,12 @@ def _resets(shape, seed=1):
 
 def _stepped(layer, params, x, reset=None):
   """The layer's step method over time (axis -2), from the zero state."""
-  step = jax.jit(lambda state, x_t, r_t: layer.apply(params, state, x_t, r_t, method="step"))
+  step = compiled.compiled(compiled.apply, module=layer, method="step")
   state = layer.initialize_state(x[..., 0, :].shape)
   ys = []
   for t in range(x.shape[-2]):
     r_t = None if reset is None else reset[..., t]
-    state, y_t = step(state, x[..., t, :], r_t)
+    state, y_t = step(params, state, x[..., t, :], r_t)
     ys.append(y_t)
   return jnp.stack(ys, axis=-2)
 
@@ -57,85 +58,97 @@ def layer(request):
   return LAYERS[request.param]()
 
 
+# The contract runs every layer on inputs of one shape (the shape is not what it tests), each
+# computation compiled once and shared by the tests that run it.
+SHAPE = (2, 13, 4)
+X = _x(SHAPE)
+RESET = _resets(SHAPE[:2])
+
+
+def _params(layer):
+  return compiled.init(layer, SHAPE)
+
+
+def _run(layer, **static):
+  """`layer.apply(params, x, reset, **static)`, compiled once per layer and `static`."""
+  return compiled.compiled(compiled.apply, module=layer, **static)
+
+
 @pytest.mark.parametrize("with_reset", [False, True])
 def test_sequence_equals_step_by_step(any_layer, with_reset):
   layer = any_layer
-  x = _x((2, 13, 4))
-  reset = _resets((2, 13)) if with_reset else None
-  params = layer.init(jax.random.key(0), x)
-  _assert_close(layer.apply(params, x, reset), _stepped(layer, params, x, reset))
+  reset = RESET if with_reset else None
+  params = _params(layer)
+  _assert_close(_run(layer)(params, X, reset), _stepped(layer, params, X, reset))
 
 
 def test_every_mode_agrees(any_layer):
   layer = any_layer
-  x, reset = _x((3, 37, 4)), _resets((3, 37))
-  params = layer.init(jax.random.key(0), x)
-  reference = layer.apply(params, x, reset, mode="sequential")
+  params = _params(layer)
+  reference = _run(layer, mode="sequential")(params, X, RESET)
   for mode in MODES[1:]:
-    _assert_close(layer.apply(params, x, reset, mode=mode), reference)
+    _assert_close(_run(layer, mode=mode)(params, X, RESET), reference)
 
 
 def test_reset_cuts_information_flow(layer):
-  x = _x((1, 20, 4))
-  reset = jnp.zeros((1, 20), bool).at[0, 9].set(True)
-  params = layer.init(jax.random.key(0), x)
-  changed = x.at[:, :9].set(_x((1, 9, 4), seed=5))
-  y, y_changed = layer.apply(params, x, reset), layer.apply(params, changed, reset)
-  np.testing.assert_array_equal(y[:, 9:], y_changed[:, 9:])
-  assert not np.allclose(y[:, :9], y_changed[:, :9])
+  reset = jnp.zeros(SHAPE[:2], bool).at[:, 6].set(True)
+  params = _params(layer)
+  changed = X.at[:, :6].set(_x((2, 6, 4), seed=5))
+  run = _run(layer)
+  y, y_changed = run(params, X, reset), run(params, changed, reset)
+  np.testing.assert_array_equal(y[:, 6:], y_changed[:, 6:])
+  assert not np.allclose(y[:, :6], y_changed[:, :6])
   # Without the reset the change does reach the later steps.
-  assert not np.allclose(layer.apply(params, x)[:, 9:], layer.apply(params, changed)[:, 9:])
+  assert not np.allclose(run(params, X, None)[:, 6:], run(params, changed, None)[:, 6:])
 
 
 def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
-  """Steps 0..5 one at a time, then 6..18 as a sequence from that state, equal all 19 stepped."""
+  """Steps 0..5 one at a time, then 6..12 as a sequence from that state, equal all 13 stepped."""
   layer = any_layer
-  x, reset = _x((2, 19, 4)), _resets((2, 19))
-  params = layer.init(jax.random.key(0), x)
-  step = jax.jit(lambda s, x_t, r_t: layer.apply(params, s, x_t, r_t, method="step"))
+  params = _params(layer)
+  step = compiled.compiled(compiled.apply, module=layer, method="step")
   state, stepped = layer.initialize_state((2, 4)), []
-  for t in range(19):
+  for t in range(13):
     if t == 6:
       middle = state
-    state, y_t = step(state, x[:, t], reset[:, t])
+    state, y_t = step(params, state, X[:, t], RESET[:, t])
     stepped.append(y_t)
-  y, last = layer.apply(params, x[:, 6:], reset[:, 6:], mode="parallel", initial_state=middle,
-                        return_state=True)
+  y, last = _run(layer, mode="parallel", return_state=True)(params, X[:, 6:], RESET[:, 6:],
+                                                            initial_state=middle)
   _assert_close(y, jnp.stack(stepped[6:], axis=1))
   for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):
     _assert_close(got, want)
 
 
 def test_initial_state_of_the_wrong_shape_is_refused(layer):
-  x = _x((2, 5, 4))
-  params = layer.init(jax.random.key(0), x)
+  params = _params(layer)
   with pytest.raises(ValueError, match="initial_state"):
-    layer.apply(params, x, initial_state=layer.initialize_state((3, 4)))
+    layer.apply(params, X, initial_state=layer.initialize_state((3, 4)))
 
 
 def test_jit_vmap_and_shapes(layer):
-  x = _x((2, 9, 4))
-  params = layer.init(jax.random.key(0), x)
-  y = layer.apply(params, x)
-  assert y.shape == x.shape and y.dtype == x.dtype
-  _assert_close(jax.jit(layer.apply)(params, x), y)
-  _assert_close(jax.vmap(layer.apply, in_axes=(None, 0))(params, x), y)
-  assert layer.apply(params, x[0]).shape == (9, 4)  # no batch axis
+  params = _params(layer)
+  y = layer.apply(params, X)  # eagerly, without jit
+  assert y.shape == X.shape and y.dtype == X.dtype
+  _assert_close(_run(layer)(params, X, None), y)
+  _assert_close(jax.jit(jax.vmap(layer.apply, in_axes=(None, 0)))(params, X), y)
+  assert jax.eval_shape(layer.apply, params, X[0]).shape == SHAPE[1:]  # no batch axis
 
 
 def test_bfloat16_inputs_keep_their_dtype(layer):
-  x = _x((2, 9, 4))
-  params = layer.init(jax.random.key(0), x)
-  y = layer.apply(params, x.astype(jnp.bfloat16))
+  params = _params(layer)
+  y = _run(layer)(params, X.astype(jnp.bfloat16), None)
   assert y.dtype == jnp.bfloat16
-  _assert_close(y.astype(jnp.float32), layer.apply(params, x.astype(jnp.bfloat16).astype(jnp.float32)),
-                rtol=2e-2)
+  _assert_close(y.astype(jnp.float32), _run(layer)(params, X.astype(jnp.bfloat16).astype(jnp.float32),
+                                                   None), rtol=2e-2)
+
+
+def _squared_output_gradients(params, x, *, layer):
+  return jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
 
 
 def test_gradients_are_finite(layer):
-  x = _x((2, 9, 4))
-  params = layer.init(jax.random.key(0), x)
-  grads = jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
+  grads = compiled.compiled(_squared_output_gradients, layer=layer)(_params(layer), X)
   for g in jax.tree.leaves(grads):
     assert np.all(np.isfinite(g)) and np.any(g != 0)
 
@@ -145,7 +158,7 @@ def test_forward_mode_matches_finite_differences(layer, mode):
   # In float64 (parameters cast after init), so central differences resolve the tangents.
   x = _x((2, 9, 4), dtype=jnp.float64)
   reset = _resets((2, 9))
-  params = jax.tree.map(lambda p: p.astype(jnp.float64), layer.init(jax.random.key(0), x))
+  params = jax.tree.map(lambda p: p.astype(jnp.float64), _params(layer))
   f = jax.jit(lambda p, x: layer.apply(p, x, reset, mode=mode))
   jax.test_util.check_grads(f, (params, x), order=1, modes=["fwd"], eps=1e-6)
   if mode == "sequential":  # jacfwd (a vmapped jvp) equals jacrev
@@ -163,34 +176,29 @@ class _StepCell(nn.Module):
 
 
 def test_inside_nn_scan(layer):
-  x = _x((2, 7, 4))
   scanned = nn.scan(_StepCell, variable_broadcast="params", split_rngs={"params": False},
                     in_axes=1, out_axes=1)(layer=layer)
   state = layer.initialize_state((2, 4))
-  variables = scanned.init(jax.random.key(0), state, x)
-  _, y = scanned.apply(variables, state, x)
-  _assert_close(y, layer.apply({"params": variables["params"]["layer"]}, x))
+  variables = jax.jit(scanned.init)(jax.random.key(0), state, X)
+  _, y = jax.jit(scanned.apply)(variables, state, X)
+  _assert_close(y, _run(layer)({"params": variables["params"]["layer"]}, X, None))
 
 
 def test_from_nnx_through_the_bridge(layer):
-  x = _x((2, 7, 4))
   model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
-  nnx.bridge.lazy_init(model, x)
-  params = {
-      name: value.value for name, value in vars(model).items() if isinstance(value, nnx.Param)
-  }
-  _assert_close(model(x), layer.apply({"params": params}, x))
+  nnx.bridge.lazy_init(model, X)
+  params = {name: value[...] for name, value in vars(model).items() if isinstance(value, nnx.Param)}
+  _assert_close(model(X), _run(layer)({"params": params}, X, None))
 
 
 def test_bad_input_names_the_argument(layer):
-  x = _x((2, 7, 4))
-  params = layer.init(jax.random.key(0), x)
+  params = _params(layer)
   with pytest.raises(ValueError, match="`reset`"):
-    layer.apply(params, x, jnp.zeros((2, 6), bool))
+    layer.apply(params, X, jnp.zeros((2, 12), bool))
   with pytest.raises(TypeError, match="`reset`"):
-    layer.apply(params, x, jnp.zeros((2, 7)))
+    layer.apply(params, X, jnp.zeros((2, 13)))
   with pytest.raises(ValueError, match="`x`"):
-    layer.apply(params, x[0, 0])
+    layer.apply(params, X[0, 0])
 
 
 def _lru_reference(params, x, reset=None):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compiled
 import registered
 from ssmkit import layers
 from ssmkit._src.layers.block import NORMS
@@ -33,13 +34,18 @@ def _assert_close(actual, expected, rtol=1e-5):
 
 def _stepped(module, variables, x, reset=None):
   """`module.step` over time (axis 1 of `x`) from the zero state."""
-  step = jax.jit(lambda state, x_t, r_t: module.apply(variables, state, x_t, r_t, method="step"))
+  step = compiled.compiled(compiled.apply, module=module, method="step")
   state = module.initialize_state(x[:, 0].shape)
   ys = []
   for t in range(x.shape[1]):
-    state, y_t = step(state, x[:, t], None if reset is None else reset[:, t])
+    state, y_t = step(variables, state, x[:, t], None if reset is None else reset[:, t])
     ys.append(y_t)
   return jnp.stack(ys, axis=1)
+
+
+def _run(module, **static):
+  """`module.apply(variables, *args, **static)`, compiled once per module and `static`."""
+  return compiled.compiled(compiled.apply, module=module, **static)
 
 
 def _gelu(x):
@@ -85,8 +91,8 @@ def test_block_matches_its_formula(activation, prenorm):
 def test_block_sequence_equals_step_by_step(name, norm):
   block = layers.SSMBlock(layer=SMALL_LAYERS[name], norm=norm)
   x, reset = _x((2, 11, 4)), jax.random.bernoulli(jax.random.key(1), 0.2, (2, 11))
-  variables = block.init(jax.random.key(0), x)
-  _assert_close(block.apply(variables, x, reset=reset), _stepped(block, variables, x, reset))
+  variables = compiled.init(block, x.shape)
+  _assert_close(_run(block)(variables, x, None, reset), _stepped(block, variables, x, reset))
 
 
 def _model(**kwargs):
@@ -103,13 +109,14 @@ def test_model_continues_a_rollout_from_its_state(scan_blocks, tokens):
                               else _x(shape, seed))
   x, reset = draw((3, 12, 2), 0), jax.random.bernoulli(jax.random.key(1), 0.2, (3, 12))
   variables = model.init(jax.random.key(0), x)
-  _, start = model.apply(variables, draw((3, 5, 2), 4), return_state=True)
-  step = jax.jit(lambda s, x_t, r_t: model.apply(variables, s, x_t, r_t, method="step"))
+  run = _run(model, return_state=True)
+  _, start = run(variables, draw((3, 5, 2), 4))
+  step = compiled.compiled(compiled.apply, module=model, method="step")
   state, stepped = start, []
   for t in range(12):
-    state, y_t = step(state, x[:, t], reset[:, t])
+    state, y_t = step(variables, state, x[:, t], reset[:, t])
     stepped.append(y_t)
-  y, last = model.apply(variables, x, reset=reset, initial_state=start, return_state=True)
+  y, last = run(variables, x, reset=reset, initial_state=start)
   _assert_close(y, jnp.stack(stepped, axis=1))
   for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):
     _assert_close(got, want)
@@ -135,10 +142,11 @@ def test_padding_changes_nothing(name, pooling):
   lengths = [5, 13, 1]
   x = _x((3, 13, 2))
   mask = jnp.arange(13)[None, :] < jnp.asarray(lengths)[:, None]
-  variables = model.init(jax.random.key(0), x, mask)
-  padded = model.apply(variables, jnp.where(mask[..., None], x, 1e3), mask)
+  variables = compiled.init(model, x.shape)
+  run = _run(model)
+  padded = run(variables, jnp.where(mask[..., None], x, 1e3), mask)
   for i, n in enumerate(lengths):
-    _assert_close(padded[i], model.apply(variables, x[i : i + 1, :n])[0])
+    _assert_close(padded[i], run(variables, x[i : i + 1, :n])[0])
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last"])
@@ -219,11 +227,11 @@ def test_greedy_generation_equals_rerunning_the_whole_sequence(name):
   prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 7)
   variables = model.init(jax.random.key(0), prompt)
   generated = jax.jit(lambda p: layers.generate(model, variables, p, 3, temperature=0.0))(prompt)
-  tokens = prompt
-  for _ in range(3):
-    next_token = jnp.argmax(model.apply(variables, tokens)[:, -1], axis=-1)
-    tokens = jnp.concatenate([tokens, next_token[:, None].astype(tokens.dtype)], axis=1)
-  np.testing.assert_array_equal(generated, tokens[:, 4:])
+  # The whole sequence re-run at once: the model is causal, so the logits at step t see only
+  # tokens up to t, and each generated token is the argmax after the tokens before it.
+  tokens = jnp.concatenate([prompt, generated.astype(prompt.dtype)], axis=1)
+  rerun = jnp.argmax(_run(model)(variables, tokens)[:, 3:-1], axis=-1)
+  np.testing.assert_array_equal(generated, rerun)
 
 
 def test_sampling_is_reproducible_and_in_vocabulary():

@@ -67,6 +67,11 @@ def layer(request):
 # The layer contract, on the NNX modules (one shape throughout, so compiled code is shared).
 
 
+# Shared by the tests: nnx.jit compiles once per layer configuration and input shape.
+_call = nnx.jit(lambda module, x, reset: module(x, reset))
+_call_with_state = nnx.jit(lambda module, x, reset: module(x, reset, return_state=True))
+
+
 def test_sequence_equals_stepping_under_nnx_scan(layer):
   """A recurrent policy's loop: the layer steps through time inside `nnx.scan`, from resets."""
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
@@ -76,7 +81,7 @@ def test_sequence_equals_stepping_under_nnx_scan(layer):
     return module.step(state, x_t, r_t)
 
   last, y = rollout(layer, layer.initialize_state((2, WIDTH)), x, reset)
-  whole, state = layer(x, reset, return_state=True)
+  whole, state = _call_with_state(layer, x, reset)
   _assert_close(y, whole)
   _assert_trees_close(last, state)
 
@@ -92,16 +97,15 @@ def test_reset_cuts_information_flow(layer):
   x = _x((2, 13, WIDTH))
   reset = jnp.zeros((2, 13), bool).at[:, 6].set(True)
   changed = x.at[:, :6].set(_x((2, 6, WIDTH), seed=5))
-  y, y_changed = layer(x, reset), layer(changed, reset)
+  y, y_changed = _call(layer, x, reset), _call(layer, changed, reset)
   np.testing.assert_array_equal(y[:, 6:], y_changed[:, 6:])
   assert not np.allclose(y[:, :6], y_changed[:, :6])
-  assert not np.allclose(layer(x)[:, 6:], layer(changed)[:, 6:])
+  assert not np.allclose(_call(layer, x, None)[:, 6:], _call(layer, changed, None)[:, 6:])
 
 
 def test_nnx_jit_equals_eager(layer):
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
-  run = nnx.jit(lambda module, x, reset: module(x, reset))
-  _assert_close(run(layer, x, reset), layer(x, reset))
+  _assert_close(_call(layer, x, reset), layer(x, reset))  # the second eagerly
 
 
 def test_gradients_through_nnx_grad_are_finite(layer):
@@ -116,15 +120,16 @@ def test_gradients_through_nnx_grad_are_finite(layer):
 def test_nnx_vmap_over_the_batch(layer):
   x = _x((2, 13, WIDTH))
   y = nnx.vmap(lambda module, x: module(x), in_axes=(None, 0))(layer, x)
-  _assert_close(y, layer(x))
-  assert layer(x[0]).shape == (13, WIDTH)
+  _assert_close(y, _call(layer, x, None))
+  assert nnx.eval_shape(lambda module: module(x[0]), layer).shape == (13, WIDTH)
 
 
 def test_bfloat16_inputs_keep_their_dtype(layer):
   x = _x((2, 13, WIDTH))
-  y = layer(x.astype(jnp.bfloat16))
+  y = _call(layer, x.astype(jnp.bfloat16), None)
   assert y.dtype == jnp.bfloat16
-  _assert_close(y.astype(jnp.float32), layer(x.astype(jnp.bfloat16).astype(jnp.float32)), rtol=2e-2)
+  _assert_close(y.astype(jnp.float32), _call(layer, x.astype(jnp.bfloat16).astype(jnp.float32), None),
+                rtol=2e-2)
 
 
 # The options are the linen layer's.

@@ -99,29 +99,35 @@ def _assert_close(actual, expected, dtype=np.float64):
   np.testing.assert_allclose(np.asarray(actual), expected, rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("axis", [0, 1])
-def test_matches_vmapped_rlax(mode, length, axis):
+@functools.cache
+def _rlax_cases(length, axis):
+  """Trajectories of a `(T, 3)` (axis 0) or `(3, T)` layout and rlax's results on them: one
+  computation for every mode of `test_matches_vmapped_rlax`."""
   rng = np.random.default_rng(length)
   shape = (length, 3) if axis == 0 else (3, length)
   r, d, v = _trajectories(rng, shape)
   lam = rng.uniform(0, 1, shape)
   values = np.concatenate([v, rng.normal(size=(1, 3) if axis == 0 else (3, 1))], axis=axis)
   bootstrap = rng.normal(size=3)
+  single = lambda fn: jax.jit(_vmapped(fn, axis))
+  expected = {"returns": single(rlax.discounted_returns)(r, d, bootstrap)}
+  for i, lam_arg in enumerate((0.9, lam)):
+    per_step = np.broadcast_to(lam_arg, shape)
+    expected["lambda", i] = single(rlax.lambda_returns)(r, d, v, per_step)
+    expected["gae", i] = single(rlax.truncated_generalized_advantage_estimation)(r, d, per_step, values)
+  return (r, d, v, lam, values, bootstrap), expected
 
-  single = functools.partial(_vmapped, axis=axis)
-  expected = single(rlax.discounted_returns)(r, d, bootstrap)
-  _assert_close(rl.discounted_returns(r, d, bootstrap, axis=axis, mode=mode), expected)
-  for lam_arg in (0.9, lam):
-    expected = single(rlax.lambda_returns)(r, d, v, np.broadcast_to(lam_arg, shape))
-    _assert_close(rl.lambda_returns(r, d, v, lam_arg, axis=axis, mode=mode), expected)
-    expected = single(rlax.truncated_generalized_advantage_estimation)(
-        r, d, np.broadcast_to(lam_arg, shape), values
-    )
-    _assert_close(
-        rl.generalized_advantage_estimation(r, d, values, lam_arg, axis=axis, mode=mode), expected
-    )
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_matches_vmapped_rlax(mode, length, axis):
+  (r, d, v, lam, values, bootstrap), expected = _rlax_cases(length, axis)
+  _assert_close(rl.discounted_returns(r, d, bootstrap, axis=axis, mode=mode), expected["returns"])
+  for i, lam_arg in enumerate((0.9, lam)):
+    _assert_close(rl.lambda_returns(r, d, v, lam_arg, axis=axis, mode=mode), expected["lambda", i])
+    _assert_close(rl.generalized_advantage_estimation(r, d, values, lam_arg, axis=axis, mode=mode),
+                  expected["gae", i])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 200])
