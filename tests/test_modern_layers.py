@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compiled
 from ssmkit import layers
 
 
@@ -19,6 +20,11 @@ def _x(shape, seed=0, dtype=jnp.float32):
 
 def _resets(length, seed=1):
   return np.asarray(jax.random.bernoulli(jax.random.key(seed), 0.2, (length,)))
+
+
+def _run(layer, **static):
+  """`layer.apply(params, x, reset, **static)`, compiled once per layer and `static`."""
+  return compiled.compiled(compiled.apply, module=layer, **static)
 
 
 def _assert_close(actual, expected, rtol=1e-5):
@@ -93,15 +99,15 @@ def test_mamba2_matches_the_reference_module():
   # Four heads in two groups; the other modes equal this one (test_layers.py).
   layer = layers.Mamba2(d_state=5, head_dim=3, n_groups=2, d_conv=4)
   x, reset = _x((23, 6)), _resets(23)
-  params = layer.init(jax.random.key(11), x)
+  params = compiled.init(layer, x.shape, 11)
   expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
                                head_dim=3, n_groups=2)
-  _assert_close(layer.apply(params, x, jnp.asarray(reset), mode="chunked"), expected)
+  _assert_close(_run(layer, mode="chunked")(params, x, reset), expected)
 
 
 def test_mamba2_initialisation_follows_the_reference():
   layer = layers.Mamba2(d_state=16, head_dim=4, dt_min=0.002, dt_max=0.05)
-  params = layer.init(jax.random.key(12), _x((4, 256)))["params"]
+  params = compiled.init(layer, _x((4, 256)).shape, 12)["params"]
   heads = 2 * 256 // 4
   a = np.exp(np.asarray(params["A_log"], np.float64))
   assert a.shape == (heads,) and a.min() >= 1 and a.max() <= 16
@@ -160,13 +166,13 @@ def _gated_deltanet_reference(p, x, reset, *, num_heads):
 def test_gated_deltanet_matches_the_reference_layer():
   layer = layers.GatedDeltaNet(num_heads=2, d_state=3, d_conv=4)
   x, reset = _x((29, 6)), _resets(29)
-  params = layer.init(jax.random.key(13), x)
+  params = compiled.init(layer, x.shape, 13)
   expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset, num_heads=2)
-  _assert_close(layer.apply(params, x, jnp.asarray(reset), mode="chunked"), expected)
+  _assert_close(_run(layer, mode="chunked")(params, x, reset), expected)
 
 
 def test_gated_deltanet_initialisation_follows_the_reference():
-  params = layers.GatedDeltaNet(num_heads=256).init(jax.random.key(14), _x((4, 512)))["params"]
+  params = compiled.init(layers.GatedDeltaNet(num_heads=256), _x((4, 512)).shape, 14)["params"]
   a = np.exp(np.asarray(params["A_log"], np.float64))
   # A ~ U(0, 16]: mean 8, standard error 0.29 over 256 heads.
   assert a.min() > 0 and a.max() <= 16 and np.mean(a) == pytest.approx(8, abs=1.2)
@@ -205,16 +211,16 @@ def _rglru_reference(p, x, reset):
 def test_rglru_matches_the_reference_block():
   layer = layers.RGLRU(d_state=8, num_heads=2, d_conv=4)
   x, reset = _x((31, 6)), _resets(31)
-  params = layer.init(jax.random.key(15), x)
+  params = compiled.init(layer, x.shape, 15)
   # Larger gates than at initialisation, so that a_t spreads over (0, 1).
   params = jax.tree.map(lambda v: 3 * v, params)
   expected = _rglru_reference(_params64(params), np.asarray(x, np.float64), reset)
-  _assert_close(layer.apply(params, x, jnp.asarray(reset)), expected)
+  _assert_close(_run(layer)(params, x, reset), expected)
 
 
 def test_rglru_initialisation_follows_the_reference():
   layer = layers.RGLRU(d_state=1024, num_heads=4, r_min=0.5, r_max=0.95)
-  params = layer.init(jax.random.key(16), _x((4, 256)))["params"]
+  params = compiled.init(layer, _x((4, 256)).shape, 16)["params"]
   a = np.exp(-np.asarray(jax.nn.softplus(np.asarray(params["a_param"], np.float64))))
   assert a.min() >= 0.5 - 1e-6 and a.max() <= 0.95 + 1e-6
   # Uniform on the ring: a^2 ~ U[r_min^2, r_max^2] (standard error 0.006).
@@ -233,7 +239,7 @@ def test_rglru_gradient_stays_finite_where_a_reaches_one():
   """With the recurrence gate closed, a_t = 1 and d sqrt(1 - a_t^2) is capped, not infinite."""
   layer = layers.RGLRU(num_heads=1, d_conv=2)
   x = _x((2, 9, 4))
-  params = layer.init(jax.random.key(0), x)
+  params = compiled.init(layer, x.shape, 0)
   params = {"params": {**params["params"], "a_gate_bias": jnp.full((1, 4), -200.0)}}
   grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x) ** 2))(params)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
@@ -257,9 +263,9 @@ def _mingru_reference(p, x, reset):
 def test_mingru_matches_the_paper(d_state):
   layer = layers.MinGRU(d_state=d_state)
   x, reset = _x((27, 5)), _resets(27)
-  params = layer.init(jax.random.key(17), x)
+  params = compiled.init(layer, x.shape, 17)
   expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), reset)
-  _assert_close(layer.apply(params, x, jnp.asarray(reset)), expected)
+  _assert_close(_run(layer)(params, x, reset), expected)
 
 
 def test_mingru_linear_recurrence_is_accurate_over_long_sequences():
@@ -267,19 +273,19 @@ def test_mingru_linear_recurrence_is_accurate_over_long_sequences():
   costs the linear recurrence no accuracy: float32 matches the float64 loop."""
   layer = layers.MinGRU()
   x = _x((8192, 4), seed=3)
-  params = layer.init(jax.random.key(18), x)
+  params = compiled.init(layer, x.shape, 18)
   params = {"params": {**params["params"], "z_proj": 8 * params["params"]["z_proj"]}}
   z = jax.nn.sigmoid(x @ params["params"]["z_proj"] + params["params"]["z_bias"][None])
   assert float(jnp.min(z)) < 1e-6 and float(jnp.max(z)) > 1 - 1e-6
   expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), None)
   for mode in ["sequential", "parallel"]:
-    _assert_close(layer.apply(params, x, mode=mode), expected, rtol=1e-5)
+    _assert_close(_run(layer, mode=mode)(params, x), expected, rtol=1e-5)
 
 
 def test_mingru_initialisation_is_pytorch_linear():
-  params = layers.MinGRU(d_state=300).init(jax.random.key(19), _x((4, 100)))["params"]
+  params = compiled.init(layers.MinGRU(d_state=300), _x((4, 100)).shape, 19)["params"]
   for name in ("z_proj", "h_proj", "z_bias", "h_bias"):
     assert np.abs(params[name]).max() <= 0.1
   assert np.std(params["z_proj"]) == pytest.approx(0.1 / np.sqrt(3), rel=0.03)
   assert np.abs(params["out_proj"]).max() <= 1 / np.sqrt(300)
-  assert "out_proj" not in layers.MinGRU().init(jax.random.key(19), _x((4, 100)))["params"]
+  assert "out_proj" not in compiled.init(layers.MinGRU(), _x((4, 100)).shape, 19)["params"]
