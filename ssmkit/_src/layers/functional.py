@@ -71,8 +71,10 @@ def starting_state(initialize_state: Callable[[Any, tuple[int, ...]], Any], cfg:
 
 
 def _check_state(maths: Maths, cfg: Any, state: Any, input_shape: tuple[int, ...], name: str) -> None:
-  """Checks `state` against the zero state of inputs `input_shape` (shapes only, nothing built)."""
-  common.check_state(state, jax.eval_shape(lambda: maths.initialize_state(cfg, input_shape)), name)
+  """Checks `state` (None passes) against the zero state of inputs `input_shape`, from shapes
+  alone: nothing is built."""
+  if state is not None:
+    common.check_state(state, jax.eval_shape(lambda: maths.initialize_state(cfg, input_shape)), name)
 
 
 def run_sequence(maths: Maths, cfg: Any, params: Callable[[int], dict[str, Array]], x: Array,

@@ -10,10 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional, initializers
+from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
-from ssmkit._src.layers.initializers import a_log_init, dt_bias_init
+from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
@@ -43,8 +43,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     common.check_positive_int(cfg.d_state, "d_state")
   k, v = _sizes(cfg, features)
   heads = cfg.num_heads
-  linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), initializers.uniform(fan_in**-0.5))
-  conv = lambda width: ParamSpec((cfg.d_conv, width), initializers.uniform(cfg.d_conv**-0.5))
+  linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), uniform(fan_in**-0.5))
+  conv = lambda width: ParamSpec((cfg.d_conv, width), uniform(cfg.d_conv**-0.5))
   return {
       "q_proj": linear(features, heads * k),
       "k_proj": linear(features, heads * k),

@@ -10,10 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional, initializers
+from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
-from ssmkit._src.layers.initializers import a_log_init, dt_bias_init
+from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import gated_rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.linear_attention import linear_attention
@@ -39,14 +39,14 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   conv = inner + bc
   # nn.Linear and nn.Conv1d initialise as U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   return {
-      "in_proj": ParamSpec((features, 2 * inner + bc + heads), initializers.uniform(features**-0.5)),
-      "conv_kernel": ParamSpec((cfg.d_conv, conv), initializers.uniform(cfg.d_conv**-0.5)),
-      "conv_bias": ParamSpec((conv,), initializers.uniform(cfg.d_conv**-0.5)),
+      "in_proj": ParamSpec((features, 2 * inner + bc + heads), uniform(features**-0.5)),
+      "conv_kernel": ParamSpec((cfg.d_conv, conv), uniform(cfg.d_conv**-0.5)),
+      "conv_bias": ParamSpec((conv,), uniform(cfg.d_conv**-0.5)),
       "dt_bias": ParamSpec((heads,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
       "A_log": ParamSpec((heads,), a_log_init(1.0, 16.0)),
       "D": ParamSpec((heads,), nn.initializers.ones),
       "norm_scale": ParamSpec((inner,), nn.initializers.ones),
-      "out_proj": ParamSpec((inner, features), initializers.uniform(inner**-0.5)),
+      "out_proj": ParamSpec((inner, features), uniform(inner**-0.5)),
   }
 
 
