@@ -131,10 +131,12 @@ def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
     _assert_close(got, want)
 
 
-def test_initial_state_of_the_wrong_shape_is_refused(layer):
+def test_a_state_of_the_wrong_shape_is_refused(layer):
   params = _params(layer)
   with pytest.raises(ValueError, match="initial_state"):
     layer.apply(params, X, initial_state=layer.initialize_state((3, 4)))
+  with pytest.raises(ValueError, match="`state`"):
+    layer.apply(params, layer.initialize_state((3, 4)), X[:, 0], method="step")
 
 
 def test_jit_vmap_and_shapes(layer):

@@ -238,6 +238,8 @@ def test_conversion_refuses_what_does_not_fit():
   missing = {"params": {k: v for k, v in variables["params"].items() if k != "D"}}
   with pytest.raises(ValueError, match="`variables`"):
     snx.from_linen(linen_layer, missing)
+  with pytest.raises(ValueError, match="`variables` must be the module's variables"):
+    snx.from_linen(linen_layer, variables["params"])  # without the "params" wrapper
   extra = {"params": {**variables["params"], "E": variables["params"]["D"]}}
   with pytest.raises(ValueError, match="`variables`"):
     snx.from_linen(linen_layer, extra)

@@ -69,10 +69,11 @@ class Layer(nnx.Module):
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)
-    cls.maths = cls.linen.maths
-    cls.parameter_groups = cls.linen.parameter_groups
-    cls.__signature__ = _signature(cls.linen)
-    _BY_LINEN[cls.linen] = cls
+    if "linen" in cls.__dict__:  # a front end, not a user's subclass of one
+      cls.maths = cls.linen.maths
+      cls.parameter_groups = cls.linen.parameter_groups
+      cls.__signature__ = _signature(cls.linen)
+      _BY_LINEN[cls.linen] = cls
 
   def __init__(self, features: int, *, rngs: nnx.Rngs, **options: Any):
     common.check_positive_int(features, "features")
@@ -131,7 +132,7 @@ def _method(fn: functional.Method) -> Any:
   def method(self: Layer, *args: Any) -> Any:
     return fn(self, self._params(), *args)
 
-  method.__name__, method.__doc__ = fn.__name__, fn.__doc__
+  method.__name__, method.__qualname__, method.__doc__ = fn.__name__, fn.__name__, fn.__doc__
   return method
 
 
