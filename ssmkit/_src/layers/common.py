@@ -133,16 +133,14 @@ def shift_back(x: Array, axis: int) -> Array:
   return jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
 
 
-def check_state(state: Any, expected: Any, name: str = "initial_state") -> None:
-  """Checks that `state` is None or has the structure, shapes and dtypes of `expected`.
+def check_state(state: Any, expected: Any, name: str) -> None:
+  """Checks that `state` has the structure, shapes and dtypes of `expected`.
 
   Args:
-    state: a layer's state, or None.
+    state: a layer's state.
     expected: the zero state of these inputs (arrays or `jax.ShapeDtypeStruct`s).
     name: the argument `state` was given as.
   """
-  if state is None:
-    return
   got = jax.tree.map(lambda s: (jnp.shape(s), jnp.result_type(s)), state)
   want = jax.tree.map(lambda s: (tuple(s.shape), s.dtype), expected)
   if got != want:
