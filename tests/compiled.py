@@ -31,6 +31,12 @@ def apply(params: Any, *args: Any, module: Any, method: str | None = None, **kwa
   return module.apply(params, *args, method=method, **kwargs)
 
 
+def run(module: Any, **static: Any) -> Callable[..., Any]:
+  """`module.apply(variables, *args, **static)`, compiled once per module and `static`
+  (`method="step"` for a module's step)."""
+  return compiled(apply, module=module, **static)
+
+
 @functools.cache
 def init(module: Any, shape: tuple[int, ...], seed: int = 0, dtype: str = "float32") -> Any:
   """`module.init(key(seed), zeros(shape, dtype))`, compiled and computed once per argument."""

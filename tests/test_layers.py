@@ -42,7 +42,7 @@ def _set(x, index, value):
 
 def _stepped(layer, params, x, reset=None):
   """The layer's step method over time (axis -2), from the zero state."""
-  step = compiled.compiled(compiled.apply, module=layer, method="step")
+  step = compiled.run(layer, method="step")
   state = layer.initialize_state(x[..., 0, :].shape)
   ys = []
   for t in range(x.shape[-2]):
@@ -80,32 +80,27 @@ def _params(layer):
   return compiled.init(layer, SHAPE)
 
 
-def _run(layer, **static):
-  """`layer.apply(params, x, reset, **static)`, compiled once per layer and `static`."""
-  return compiled.compiled(compiled.apply, module=layer, **static)
-
-
 @pytest.mark.parametrize("with_reset", [False, True])
 def test_sequence_equals_step_by_step(any_layer, with_reset):
   layer = any_layer
   reset = RESET if with_reset else None
   params = _params(layer)
-  _assert_close(_run(layer)(params, X, reset), _stepped(layer, params, X, reset))
+  _assert_close(compiled.run(layer)(params, X, reset), _stepped(layer, params, X, reset))
 
 
 def test_every_mode_agrees(any_layer):
   layer = any_layer
   params = _params(layer)
-  reference = _run(layer, mode="sequential")(params, X, RESET)
+  reference = compiled.run(layer, mode="sequential")(params, X, RESET)
   for mode in MODES[1:]:
-    _assert_close(_run(layer, mode=mode)(params, X, RESET), reference)
+    _assert_close(compiled.run(layer, mode=mode)(params, X, RESET), reference)
 
 
 def test_reset_cuts_information_flow(layer):
   reset = _set(np.zeros(SHAPE[:2], bool), (slice(None), 6), True)
   params = _params(layer)
   changed = _set(X, (slice(None), slice(None, 6)), _x((2, 6, 4), seed=5))
-  run = _run(layer)
+  run = compiled.run(layer)
   y, y_changed = run(params, X, reset), run(params, changed, reset)
   np.testing.assert_array_equal(y[:, 6:], y_changed[:, 6:])
   assert not np.allclose(y[:, :6], y_changed[:, :6])
@@ -117,14 +112,14 @@ def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
   """Steps 0..5 one at a time, then 6..12 as a sequence from that state, equal all 13 stepped."""
   layer = any_layer
   params = _params(layer)
-  step = compiled.compiled(compiled.apply, module=layer, method="step")
+  step = compiled.run(layer, method="step")
   state, stepped = layer.initialize_state((2, 4)), []
   for t in range(13):
     if t == 6:
       middle = state
     state, y_t = step(params, state, X[:, t], RESET[:, t])
     stepped.append(y_t)
-  y, last = _run(layer, mode="parallel", return_state=True)(params, X[:, 6:], RESET[:, 6:],
+  y, last = compiled.run(layer, mode="parallel", return_state=True)(params, X[:, 6:], RESET[:, 6:],
                                                             initial_state=middle)
   _assert_close(y, np.stack(stepped[6:], axis=1))
   for got, want in zip(jax.tree.leaves(last), jax.tree.leaves(state), strict=True):
@@ -143,17 +138,18 @@ def test_jit_vmap_and_shapes(layer):
   params = _params(layer)
   y = layer.apply(params, X)  # eagerly, without jit
   assert y.shape == X.shape and y.dtype == X.dtype
-  _assert_close(_run(layer)(params, X, None), y)
+  _assert_close(compiled.run(layer)(params, X, None), y)
   _assert_close(jax.jit(jax.vmap(layer.apply, in_axes=(None, 0)))(params, X), y)
   assert jax.eval_shape(layer.apply, params, X[0]).shape == SHAPE[1:]  # no batch axis
 
 
 def test_bfloat16_inputs_keep_their_dtype(layer):
   params = _params(layer)
-  y = _run(layer)(params, X.astype(jnp.bfloat16), None)
+  run = compiled.run(layer)
+  y = run(params, X.astype(jnp.bfloat16), None)
   assert y.dtype == jnp.bfloat16
-  _assert_close(y.astype(jnp.float32), _run(layer)(params, X.astype(jnp.bfloat16).astype(jnp.float32),
-                                                   None), rtol=2e-2)
+  _assert_close(y.astype(jnp.float32), run(params, X.astype(jnp.bfloat16).astype(jnp.float32), None),
+                rtol=2e-2)
 
 
 def _squared_output_gradients(params, x, *, layer):
@@ -194,14 +190,14 @@ def test_inside_nn_scan(layer):
   state = layer.initialize_state((2, 4))
   variables = jax.jit(scanned.init)(jax.random.key(0), state, X)
   _, y = jax.jit(scanned.apply)(variables, state, X)
-  _assert_close(y, _run(layer)({"params": variables["params"]["layer"]}, X, None))
+  _assert_close(y, compiled.run(layer)({"params": variables["params"]["layer"]}, X, None))
 
 
 def test_from_nnx_through_the_bridge(layer):
   model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
   nnx.bridge.lazy_init(model, X)
   params = {name: value[...] for name, value in vars(model).items() if isinstance(value, nnx.Param)}
-  _assert_close(model(X), _run(layer)({"params": params}, X, None))
+  _assert_close(model(X), compiled.run(layer)({"params": params}, X, None))
 
 
 def test_bad_input_names_the_argument(layer):
@@ -236,7 +232,7 @@ def test_lru_matches_float64_reference():
   x = _x((31, 3))
   reset = np.asarray(_resets((31,)))
   params = compiled.init(layer, x.shape, 2)
-  _assert_close(_run(layer)(params, x, reset), _lru_reference(params, x, reset))
+  _assert_close(compiled.run(layer)(params, x, reset), _lru_reference(params, x, reset))
 
 
 def test_lru_initialisation_follows_the_paper():
@@ -285,7 +281,7 @@ def test_s4d_kernel_matches_direct_evaluation():
   direct = np.stack([
       sum(np.asarray(kernel[0, lag]) * np.asarray(x[t - lag]) for lag in range(t + 1)) for t in range(40)
   ]) + np.asarray(params["params"]["D"]) * np.asarray(x)
-  _assert_close(_run(layer, mode="convolution")(params, x), direct)
+  _assert_close(compiled.run(layer, mode="convolution")(params, x), direct)
 
 
 @pytest.mark.parametrize("discretization", ["zoh", "bilinear"])
@@ -294,10 +290,10 @@ def test_s4d_convolution_equals_recurrence(discretization, bidirectional):
   layer = layers.S4D(d_state=8, discretization=discretization, bidirectional=bidirectional)
   x = _x((2, 29, 3))
   params = compiled.init(layer, x.shape, 5)
-  convolution = _run(layer, mode="convolution")(params, x)
-  assert np.asarray(_run(layer)(params, x) == convolution).all()  # auto convolves
+  convolution = compiled.run(layer, mode="convolution")(params, x)
+  assert np.asarray(compiled.run(layer)(params, x) == convolution).all()  # auto convolves
   for mode in ["sequential", "parallel", "chunked"]:
-    _assert_close(_run(layer, mode=mode)(params, x), convolution)
+    _assert_close(compiled.run(layer, mode=mode)(params, x), convolution)
 
 
 @pytest.mark.parametrize("bidirectional_layer", [
@@ -309,7 +305,7 @@ def test_bidirectional_layers_keep_episodes_apart(bidirectional_layer):
   x = _x((1, 20, 3))
   reset = _set(np.zeros((1, 20), bool), (0, 9), True)
   params = compiled.init(layer, x.shape, 6)
-  run = _run(layer)
+  run = compiled.run(layer)
   y = run(params, x, reset)
   past_zero = _set(x, (slice(None), slice(None, 9)), 0.0)
   future_zero = _set(x, (slice(None), slice(9, None)), 0.0)
@@ -392,7 +388,7 @@ def test_s5_matches_float64_reference(conj_sym):
   layer = layers.S5(d_state=8, blocks=2, conj_sym=conj_sym)
   x, reset = _x((25, 3)), np.asarray(_resets((25,)))
   params = compiled.init(layer, x.shape, 8)
-  _assert_close(_run(layer)(params, x, reset), _s5_reference(layer, params, x, reset))
+  _assert_close(compiled.run(layer)(params, x, reset), _s5_reference(layer, params, x, reset))
 
 
 def test_s5_initialisation_is_hippo_n_in_its_eigenbasis():
@@ -447,7 +443,7 @@ def test_mamba_matches_float64_loop():
   x, reset = _x((23, 6)), np.asarray(_resets((23,)))
   params = compiled.init(layer, x.shape, 11)
   expected = _mamba_reference(params, x, reset, 4)
-  _assert_close(_run(layer)(params, x, reset), expected)
+  _assert_close(compiled.run(layer)(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)
 
 

@@ -35,7 +35,7 @@ def _assert_close(actual, expected, rtol=1e-5):
 
 def _stepped(module, variables, x, reset=None):
   """`module.step` over time (axis 1 of `x`) from the zero state."""
-  step = compiled.compiled(compiled.apply, module=module, method="step")
+  step = compiled.run(module, method="step")
   state = module.initialize_state(x[:, 0].shape)
   ys = []
   for t in range(x.shape[1]):
@@ -43,10 +43,6 @@ def _stepped(module, variables, x, reset=None):
     ys.append(y_t)
   return jnp.stack(ys, axis=1)
 
-
-def _run(module, **static):
-  """`module.apply(variables, *args, **static)`, compiled once per module and `static`."""
-  return compiled.compiled(compiled.apply, module=module, **static)
 
 
 def _gelu(x):
@@ -93,7 +89,7 @@ def test_block_sequence_equals_step_by_step(name, norm):
   block = layers.SSMBlock(layer=SMALL_LAYERS[name], norm=norm)
   x, reset = _x((2, 11, 4)), jax.random.bernoulli(jax.random.key(1), 0.2, (2, 11))
   variables = compiled.init(block, x.shape)
-  _assert_close(_run(block)(variables, x, None, reset), _stepped(block, variables, x, reset))
+  _assert_close(compiled.run(block)(variables, x, None, reset), _stepped(block, variables, x, reset))
 
 
 def _model(**kwargs):
@@ -110,9 +106,9 @@ def test_model_continues_a_rollout_from_its_state(scan_blocks, tokens):
                               else _x(shape, seed))
   x, reset = draw((3, 12, 2), 0), jax.random.bernoulli(jax.random.key(1), 0.2, (3, 12))
   variables = compiled.init(model, x.shape, 0, str(x.dtype))
-  run = _run(model, return_state=True)
+  run = compiled.run(model, return_state=True)
   _, start = run(variables, draw((3, 5, 2), 4))
-  step = compiled.compiled(compiled.apply, module=model, method="step")
+  step = compiled.run(model, method="step")
   state, stepped = start, []
   for t in range(12):
     state, y_t = step(variables, state, x[:, t], reset[:, t])
@@ -132,7 +128,8 @@ def test_scanned_blocks_equal_unrolled_blocks():
   stacked["blocks"] = {"block": jax.tree.map(lambda *b: jnp.stack(b), *blocks)}
   structure = jax.tree.structure(compiled.init(scanned, x.shape)["params"])
   assert jax.tree.structure(stacked) == structure
-  _assert_close(_run(scanned)({"params": stacked}, x), _run(unrolled)({"params": params}, x))
+  _assert_close(compiled.run(scanned)({"params": stacked}, x),
+                compiled.run(unrolled)({"params": params}, x))
 
 
 @pytest.mark.parametrize(("name", "pooling"), [*((name, "mean") for name in SMALL_LAYERS),
@@ -144,7 +141,7 @@ def test_padding_changes_nothing(name, pooling):
   x = _x((3, 13, 2))
   mask = jnp.arange(13)[None, :] < jnp.asarray(lengths)[:, None]
   variables = compiled.init(model, x.shape)
-  run = _run(model)
+  run = compiled.run(model)
   padded = run(variables, jnp.where(mask[..., None], x, 1e3), mask)
   for i, n in enumerate(lengths):
     _assert_close(padded[i], run(variables, x[i : i + 1, :n])[0])
@@ -157,7 +154,7 @@ def test_left_padding_pools_the_real_steps(pooling):
   x = _x((3, 13, 2))
   mask = jnp.arange(13)[None, :] >= 13 - jnp.asarray(lengths)[:, None]  # padding first
   variables = compiled.init(model, x.shape)
-  run = _run(model)
+  run = compiled.run(model)
   padded = run(variables, np.where(mask[..., None], x, 0.0), mask)
   for i, n in enumerate(lengths):
     _assert_close(padded[i], run(variables, x[i : i + 1, 13 - n :])[0])
@@ -168,8 +165,8 @@ def test_mask_broadcasts_over_batch_axes_of_size_one():
   x = _x((3, 6, 2))
   steps = jnp.arange(6)[None, :] < 4
   variables = compiled.init(model, x.shape)
-  np.testing.assert_array_equal(_run(model)(variables, x, steps),
-                                _run(model)(variables, x, jnp.broadcast_to(steps, (3, 6))))
+  np.testing.assert_array_equal(compiled.run(model)(variables, x, steps),
+                                compiled.run(model)(variables, x, jnp.broadcast_to(steps, (3, 6))))
 
 
 def test_batchnorm_statistics_skip_padding():
@@ -194,8 +191,8 @@ def test_last_pooling_reads_the_last_real_step():
   x = _x((2, 6, 2))
   variables = compiled.init(model, x.shape)
   mask = jnp.arange(6)[None, :] < jnp.asarray([[4], [6]])
-  logits = _run(per_step)(variables, x)
-  _assert_close(_run(model)(variables, x, mask), np.stack([logits[0, 3], logits[1, 5]]))
+  logits = compiled.run(per_step)(variables, x)
+  _assert_close(compiled.run(model)(variables, x, mask), np.stack([logits[0, 3], logits[1, 5]]))
 
 
 def test_dropout_acts_only_in_training():
@@ -204,7 +201,7 @@ def test_dropout_acts_only_in_training():
   variables = compiled.init(model, x.shape)
   train = lambda seed: model.apply(variables, x, train=True, rngs={"dropout": jax.random.key(seed)})
   assert not np.allclose(train(0), train(1))
-  np.testing.assert_array_equal(_run(model)(variables, x), _run(model)(variables, x))
+  np.testing.assert_array_equal(compiled.run(model)(variables, x), compiled.run(model)(variables, x))
 
 
 def test_model_trains_under_jit_with_finite_gradients():
@@ -232,7 +229,7 @@ def test_greedy_generation_equals_rerunning_the_whole_sequence(name):
   # The whole sequence re-run at once: the model is causal, so the logits at step t see only
   # tokens up to t, and each generated token is the argmax after the tokens before it.
   tokens = jnp.concatenate([prompt, generated.astype(prompt.dtype)], axis=1)
-  rerun = jnp.argmax(_run(model)(variables, tokens)[:, 3:-1], axis=-1)
+  rerun = jnp.argmax(compiled.run(model)(variables, tokens)[:, 3:-1], axis=-1)
   np.testing.assert_array_equal(generated, rerun)
 
 

@@ -22,10 +22,6 @@ def _resets(length, seed=1):
   return np.asarray(jax.random.bernoulli(jax.random.key(seed), 0.2, (length,)))
 
 
-def _run(layer, **static):
-  """`layer.apply(params, x, reset, **static)`, compiled once per layer and `static`."""
-  return compiled.compiled(compiled.apply, module=layer, **static)
-
 
 def _assert_close(actual, expected, rtol=1e-5):
   scale = float(np.max(np.abs(expected)))
@@ -102,7 +98,7 @@ def test_mamba2_matches_the_reference_module():
   params = compiled.init(layer, x.shape, 11)
   expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
                                head_dim=3, n_groups=2)
-  _assert_close(_run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
 
 
 def test_mamba2_initialisation_follows_the_reference():
@@ -168,7 +164,7 @@ def test_gated_deltanet_matches_the_reference_layer():
   x, reset = _x((29, 6)), _resets(29)
   params = compiled.init(layer, x.shape, 13)
   expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset, num_heads=2)
-  _assert_close(_run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
 
 
 def test_gated_deltanet_initialisation_follows_the_reference():
@@ -215,7 +211,7 @@ def test_rglru_matches_the_reference_block():
   # Larger gates than at initialisation, so that a_t spreads over (0, 1).
   params = jax.tree.map(lambda v: 3 * v, params)
   expected = _rglru_reference(_params64(params), np.asarray(x, np.float64), reset)
-  _assert_close(_run(layer)(params, x, reset), expected)
+  _assert_close(compiled.run(layer)(params, x, reset), expected)
 
 
 def test_rglru_initialisation_follows_the_reference():
@@ -265,7 +261,7 @@ def test_mingru_matches_the_paper(d_state):
   x, reset = _x((27, 5)), _resets(27)
   params = compiled.init(layer, x.shape, 17)
   expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), reset)
-  _assert_close(_run(layer)(params, x, reset), expected)
+  _assert_close(compiled.run(layer)(params, x, reset), expected)
 
 
 def test_mingru_linear_recurrence_is_accurate_over_long_sequences():
@@ -279,7 +275,7 @@ def test_mingru_linear_recurrence_is_accurate_over_long_sequences():
   assert float(jnp.min(z)) < 1e-6 and float(jnp.max(z)) > 1 - 1e-6
   expected = _mingru_reference(_params64(params), np.asarray(x, np.float64), None)
   for mode in ["sequential", "parallel"]:
-    _assert_close(_run(layer, mode=mode)(params, x), expected, rtol=1e-5)
+    _assert_close(compiled.run(layer, mode=mode)(params, x), expected, rtol=1e-5)
 
 
 def test_mingru_initialisation_is_pytorch_linear():
