@@ -32,8 +32,9 @@ CHUNK = 16  # chunk edges at 16, 32, ...; "auto" keeps the default chunk of 64
 TOL64 = 1e-8
 
 
-def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1):
-  """Random inputs of one kind; unit-norm keys and beta in (0, 1) for the delta rule."""
+def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1, strongest_decay=1.0):
+  """Random inputs of one kind; unit-norm keys and beta in (0, 1) for the delta rule, log-decays
+  drawn from [-strongest_decay, 0]."""
   _, delta, decay = kind
   shape = (*batch, length, heads)
   q = rng.normal(size=(*shape, dim_k))
@@ -41,8 +42,8 @@ def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1)
   if delta:
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
   v = rng.normal(size=(*shape, dim_v))
-  g = {None: None, "head": -rng.uniform(0.0, 1.0, shape),
-       "key": -rng.uniform(0.0, 1.0, (*shape, dim_k))}[decay]
+  g = {None: None, "head": -rng.uniform(0.0, strongest_decay, shape),
+       "key": -rng.uniform(0.0, strongest_decay, (*shape, dim_k))}[decay]
   return dict(
       q=q, k=k, v=v, log_decay=g,
       beta=rng.uniform(0.0, 1.0, shape) if delta else None,
@@ -132,33 +133,75 @@ def test_reset_cuts_every_information_before_it(kind):
 NON_FINITE_CASES = [
     (kind, name)
     for kind in KINDS
-    for name in ("k", "v", "log_decay", "beta", "initial_state")
+    for name in ("q", "k", "v", "log_decay", "beta", "initial_state")
     if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1])
 ]
+NON_FINITE_IDS = [f"{k[0]}-{n}" for k, n in NON_FINITE_CASES]
+# Chunk layouts that put a non-finite step and the reset after it in one chunk and in two.
+LAYOUTS = (("sequential", 4), ("chunked", 5), ("chunked", 8), ("parallel", 8), ("auto", None))
 
 
-@pytest.mark.parametrize("kind, name", NON_FINITE_CASES,
-                         ids=[f"{k[0]}-{n}" for k, n in NON_FINITE_CASES])
-def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
-  rng = np.random.default_rng(5)
-  x = _inputs(rng, kind, (), 20, reset_rate=0.0)
-  x["reset"][[6, 13]] = True
+def _poisoned(kind, name, length, bad, resets):
+  """Inputs with a NaN at step bad[0] and an Inf at bad[1] of `name` (for `initial_state`: an
+  Inf entry), and resets at `resets`."""
+  x = _inputs(np.random.default_rng(5), kind, (), length, reset_rate=0.0)
+  x["reset"][list(resets)] = True
   if name == "initial_state":
     x[name][1, 0, 0] = np.inf
-  elif name == "log_decay":
-    # A traced decay: concrete non-finite decays are refused at trace time.
-    x[name][3, 1] = np.nan
   else:
-    x[name][3, 1] = np.nan
-    x[name][10, 0] = np.inf
+    # A traced decay: concrete non-finite decays are refused at trace time.
+    x[name][bad[0], 1] = np.nan
+    x[name][bad[1], 0] = np.inf
+  return x
+
+
+@pytest.mark.parametrize("kind, name", NON_FINITE_CASES, ids=NON_FINITE_IDS)
+def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
+  x = _poisoned(kind, name, 20, bad=(3, 10), resets=(6, 13))
   expected, expected_final = _reference(x)
-  for mode, chunk in (("sequential", 4), ("chunked", 5), ("chunked", 8), ("parallel", 8)):
+  for mode, chunk in LAYOUTS[:-1]:
     out, final = _jitted(kind, mode, chunk)(x)
     finite = np.isfinite(expected)
     np.testing.assert_array_equal(np.isfinite(out), finite)
     np.testing.assert_array_equal(np.isfinite(final), np.isfinite(expected_final))
     _assert_close(np.asarray(out)[finite], expected[finite], TOL64)
     assert np.all(np.isfinite(np.asarray(out)[14:]))
+
+
+@functools.cache
+def _tail_gradient(kind, mode, chunk_size, start):
+  """The gradient of sum(sin(o_t), t >= start) + sum(S_T^2) with respect to every float input;
+  of the float64 loop for `mode` None."""
+
+  def loss(floats, reset):
+    x = dict(dict.fromkeys(("log_decay", "beta")), **floats, reset=reset)
+    if mode is None:
+      out, final = _reference(x, differentiable=True)
+    else:
+      out, final = _call(kind, x, mode=mode, chunk_size=chunk_size, return_final_state=True)
+    return jnp.sum(jnp.sin(out[start:])) + jnp.sum(final**2)
+
+  return jax.jit(jax.grad(loss))
+
+
+@pytest.mark.parametrize("kind, name", NON_FINITE_CASES, ids=NON_FINITE_IDS)
+def test_nan_or_inf_before_a_reset_never_reaches_gradients_after_it(kind, name):
+  """The loss reads the outputs from the last reset on: every gradient the float64 loop keeps
+  finite is finite and equal, so all of those after the reset (a poisoned state read back as
+  0 * NaN, or a zero cotangent times a NaN query, would break it)."""
+  start = 53
+  x = _poisoned(kind, name, 70, bad=(3, 50), resets=(6, start))
+  floats = {n: x[n] for n in _differentiable(x)}
+  expected = _tail_gradient(kind, None, None, start)(floats, x["reset"])
+  for mode, chunk in LAYOUTS:
+    grads = _tail_gradient(kind, mode, chunk, start)(floats, x["reset"])
+    for n, want in expected.items():
+      got, want = np.asarray(grads[n]), np.asarray(want)
+      if n != "initial_state":
+        assert np.all(np.isfinite(got[start:])), (mode, chunk, n)
+      kept = np.isfinite(want)
+      assert np.all(np.isfinite(got[kept])), (mode, chunk, n)
+      _assert_close(got[kept], want[kept], 1e-8)
 
 
 def _loss(f, x, names):
@@ -175,24 +218,49 @@ def _differentiable(x):
   return [n for n in ("q", "k", "v", "log_decay", "beta", "initial_state") if x[n] is not None]
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_gradients_and_jvp_match_autodiff_of_float64_loop(kind):
+def _check_gradients_and_jvp(kind, x, tol):
+  """Every mode's gradients and JVPs against autodiff of the float64 loop on the same inputs."""
   rng = np.random.default_rng(11)
-  x = _inputs(rng, kind, (2,), 70)
   names = _differentiable(x)
   values = [x[n] for n in names]
   argnums = tuple(range(len(names)))
-  tangents = [rng.normal(size=np.shape(v)) for v in values]
+  tangents = [rng.normal(size=np.shape(v)).astype(v.dtype) for v in values]
+  as64 = lambda arrays: [np.asarray(a, np.float64) for a in arrays]
   reference = _loss(lambda y: _reference(y, differentiable=True), x, names)
-  expected = jax.jit(jax.grad(reference, argnums))(*values)
-  expected_jvp = jax.jit(lambda v, t: jax.jvp(reference, v, t)[1])(values, tangents)
+  expected = jax.jit(jax.grad(reference, argnums))(*as64(values))
+  expected_jvp = jax.jit(lambda v, t: jax.jvp(reference, v, t)[1])(as64(values), as64(tangents))
   # On CPU, "auto" computes values step by step and derivatives chunked (70 >= 64 steps).
   for mode, chunk in (("sequential", 8), ("chunked", 8), ("parallel", 8), ("auto", None)):
     actual = _loss(_jitted(kind, mode, chunk), x, names)
     for g, e in zip(jax.jit(jax.grad(actual, argnums))(*values), expected, strict=True):
-      _assert_close(g, e, 1e-6)
+      _assert_close(g, e, tol)
     _assert_close(jax.jit(lambda v, t, f=actual: jax.jvp(f, v, t)[1])(values, tangents),
-                  expected_jvp, 1e-6)
+                  expected_jvp, tol)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_gradients_and_jvp_match_autodiff_of_float64_loop(kind):
+  _check_gradients_and_jvp(kind, _inputs(np.random.default_rng(11), kind, (2,), 70), 1e-6)
+
+
+DECAYING = [kind for kind in KINDS if kind[2]]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("kind", DECAYING, ids=[kind[0] for kind in DECAYING])
+def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
+  """Log-decays down to -50 a step span 800 nats in 16 steps: exp overflows in any float type
+  unless every exponent formed is a difference that is <= 0."""
+  x = _inputs(np.random.default_rng(21), kind, (2,), 70, strongest_decay=50.0)
+  x = {n: v if v is None or n == "reset" else v.astype(dtype) for n, v in x.items()}
+  tol = 1e-8 if dtype == np.float64 else 1e-4
+  expected, expected_final = _reference(x)
+  for mode in MODES:
+    out, final = _jitted(kind, mode, _chunk(mode))(x)
+    assert out.dtype == dtype
+    _assert_close(out, expected, tol)
+    _assert_close(final, expected_final, tol)
+  _check_gradients_and_jvp(kind, x, 1e-6 if dtype == np.float64 else 1e-3)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
