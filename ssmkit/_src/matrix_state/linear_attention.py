@@ -58,7 +58,7 @@ def _per_key_scores(q: Array, k: Array, b: Array, precision) -> Array:
   q_scaled = q[:, :, :, :, None] * jnp.exp(jnp.where(later[None, None, None], diff, -jnp.inf))
   k_scaled = k * jnp.exp(r[:, :, :, :, None] - b)
   between = jnp.einsum("zhnijtd,zhnjsd->zhnitjs", q_scaled, k_scaled, precision=precision)
-  lower = jnp.tril(jnp.ones((1, 1, 1, 1, sub, sub, 1), bool))
+  lower = jnp.tril(jnp.ones((sub, sub), bool))[:, :, None]  # (t, s, K)
   inside = b[:, :, :, :, :, None] - b[:, :, :, :, None, :]  # (Z, H, n, m, t, s, K)
   inside = jnp.exp(jnp.where(lower, inside, -jnp.inf))
   within = jnp.einsum("zhnmtd,zhnmsd,zhnmtsd->zhnmts", q, k, inside, precision=precision)
@@ -70,6 +70,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
   """The chunks' maps S -> a S + u and a function from entering states to outputs."""
   q, k, v, g, reset = c.q, c.k, c.v, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
+  (q,), bad_query = common.sanitize((q,))
   bad = None
   if reset is not None:
     (k, v, g), bad = common.sanitize((k, v, g))
@@ -93,7 +94,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
   u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
-  return common.read_out(a, u, q_in, intra, seg, bad, reset, precision)
+  return common.read_out(a, u, q_in, intra, seg, bad, bad_query, reset, precision)
 
 
 def linear_attention(
