@@ -405,6 +405,32 @@ def test_nan_before_reset_does_not_leak(mode):
   assert np.isfinite(g).all() and (np.asarray(g[:4]) == 0).all()
 
 
+@pytest.mark.parametrize(("mode", "chunk_size"),
+                         [("sequential", None), ("parallel", None), ("chunked", 3), ("chunked", 8)])
+def test_nan_or_inf_in_any_input_before_a_reset_reaches_no_gradient_after_it(mode, chunk_size):
+  """A NaN and an Inf in `a`, in `b` or in `h0`, in the chunk of the reset or an earlier one:
+  the gradients of a loss on the steps from the last reset on are finite from there on."""
+  rng = np.random.default_rng(40)
+  reset = np.zeros((20, 1), bool)
+  reset[[6, 12]] = True
+
+  @jax.jit
+  @jax.grad
+  def gradients(inputs):
+    h = linear_recurrence(*inputs, reset=reset, mode=mode, chunk_size=chunk_size)
+    return jnp.sum(jnp.sin(h[12:]))
+
+  for name in ("a", "b", "h0"):
+    inputs = dict(a=rng.uniform(0.5, 0.9, (20, 2)), b=rng.normal(size=(20, 2)),
+                  h0=rng.normal(size=2))
+    if name == "h0":
+      inputs[name][0] = np.nan
+    else:
+      inputs[name][3, 1], inputs[name][9, 0] = np.nan, np.inf
+    g = gradients((inputs["a"], inputs["b"], inputs["h0"]))
+    assert np.isfinite(g[0][12:]).all() and np.isfinite(g[1][12:]).all(), name
+
+
 @pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_streaming_in_pieces_equals_one_pass(mode, reverse):

@@ -108,6 +108,32 @@ def test_reset_at_step_zero_drops_a_non_finite_initial_state(mode):
   _assert_close(last, last_ref)
 
 
+@pytest.mark.parametrize(("mode", "chunk_size"),
+                         [("sequential", None), ("parallel", None), ("chunked", 3), ("chunked", 8)])
+def test_nan_or_inf_before_a_reset_reaches_no_gradient_after_it(mode, chunk_size):
+  """A NaN and an Inf in any input (an Inf in `h0`), in the chunk of the reset or an earlier
+  one: the loss on the steps from the last reset on has finite gradients from there on."""
+  reset = np.zeros(20, bool)
+  reset[[6, 12]] = True
+
+  @jax.jit
+  @jax.grad
+  def gradients(inputs, a):
+    u, dt, b, c, h0 = inputs
+    y, _ = selective_scan(u, dt, a, b, c, h0=h0, reset=reset, chunk_size=chunk_size, mode=mode)
+    return jnp.sum(jnp.sin(y[12:]))
+
+  for i, name in enumerate(("u", "dt", "b", "c", "h0")):
+    u, dt, a, b, c, h0 = _inputs(10 + i, (), 20)
+    inputs = [u, dt, b, c, h0]
+    if name == "h0":
+      h0[0, 0] = np.inf
+    else:
+      inputs[i][3, 1], inputs[i][9, 0] = np.nan, np.inf
+    for g in gradients(inputs, a)[:4]:
+      assert np.isfinite(g[12:]).all(), name
+
+
 @pytest.mark.parametrize("mode", ["sequential", "chunked"])
 def test_jit_and_vmap(mode):
   u, dt, a, b, c, h0 = _inputs(8, (4,), 11)

@@ -443,3 +443,37 @@ def test_matrix_state_across_devices_equals_one_device(delta, mode):
   expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, state, reset)
   _assert_trees_close(out, expected)
   _assert_trees_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
+def test_matrix_state_nan_initial_state_before_a_reset_reaches_no_other_device(delta):
+  """Device 0 holds the initial state and a reset after it: an Inf there is zeroed before any
+  product, so no other device's gradient meets it as 0 * Inf."""
+  rng = np.random.default_rng(30)
+  length, heads, dim = DEVICES * 4, 2, 3
+  q, k, v = (rng.normal(size=(length, heads, dim)) for _ in range(3))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  g = -rng.uniform(0.0, 1.0, (length, heads))
+  beta = rng.uniform(0.0, 1.0, (length, heads))
+  state = np.zeros((heads, dim, dim))
+  state[0, 1, 2] = np.inf
+  reset = np.zeros(length, bool)
+  reset[2] = True
+
+  def loss(q, k, v, g, beta, state, reset, axis_name=None):
+    kwargs = dict(initial_state=state, reset=reset, mode="chunked", chunk_size=2,
+                  axis_name=axis_name)
+    out = delta_rule(q, k, v, beta, g, **kwargs) if delta else linear_attention(q, k, v, g, **kwargs)
+    step = jnp.arange(out.shape[0])
+    if axis_name is not None:
+      step = step + out.shape[0] * jax.lax.axis_index(axis_name)
+    total = jnp.sum(jnp.where((step >= 2)[:, None, None], jnp.sin(out), 0))
+    return total if axis_name is None else jax.lax.psum(total, axis_name)
+
+  sharded = _sharded(functools.partial(loss, axis_name="seq"), (SEQ,) * 5 + (P(), SEQ), P())
+  argnums = (0, 1, 2, 3, 4)
+  grads = jax.jit(jax.grad(sharded, argnums))(q, k, v, g, beta, state, reset)
+  expected = jax.jit(jax.grad(loss, argnums))(q, k, v, g, beta, state, reset)
+  for got, want in zip(grads, expected, strict=True):
+    assert np.all(np.isfinite(np.asarray(got)[2:]))
+    _assert_close(np.asarray(got)[2:], np.asarray(want)[2:])

@@ -55,6 +55,7 @@ def read_out(
     intra: Array,
     seg: chunks.Segments,
     bad: Array | None,
+    bad_query: Array,
     reset: Array | None,
     precision,
 ) -> tuple[state_pass.Maps, Callable[[Array], Array]]:
@@ -66,7 +67,8 @@ def read_out(
     query: `(Z, H, n, C, K)` what reads the entering state into each step's output.
     intra: `(Z, H, n, C, V)` each step's output from its own chunk.
     seg: the chunks' segments.
-    bad: `(Z, H, n, C)` steps with a non-finite input (`sanitize`), or None.
+    bad: `(Z, H, n, C)` steps with a non-finite input to the state (`sanitize`), or None.
+    bad_query: `(Z, H, n, C)` steps with a non-finite query: their outputs alone are NaN.
     reset: `(Z, 1, n, C)` or None.
     precision: matmul precision.
 
@@ -78,11 +80,20 @@ def read_out(
   if poisoned is not None:
     u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
   maps = state_pass.Maps(a, u, seg.cut)
+  nan_out = bad_query if poisoned is None else bad_query | poisoned
 
   def outputs(entering: Array) -> Array:
-    carried = jnp.einsum("zhncd,zhnde->zhnce", query, entering, precision=precision)
+    # A non-finite entering state is zeroed before the product and the outputs that read it
+    # are set to NaN after: inside the product, the zero cotangents of the steps after a
+    # reset would meet it as 0 * NaN and spread over the whole chunk's gradients.
+    finite = jnp.isfinite(entering)
+    carried = jnp.einsum("zhncd,zhnde->zhnce", query, jnp.where(finite, entering, 0),
+                         precision=precision)
     out = intra + chunks.masked(carried, seg.first)
-    return out if poisoned is None else jnp.where(poisoned[..., None], jnp.nan, out)
+    unread = ~jnp.all(finite, axis=-2)[..., None, :]  # (Z, H, n, 1, V) columns
+    if seg.first is not None:
+      unread = unread & seg.first[..., None]
+    return jnp.where(nan_out[..., None] | unread, jnp.nan, out)
 
   return maps, outputs
 

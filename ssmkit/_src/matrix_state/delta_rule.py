@@ -49,6 +49,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
   """
   q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
+  (q,), bad_query = common.sanitize((q,))
   bad = None
   if reset is not None:
     (k, v, beta, g), bad = common.sanitize((k, v, beta, g))
@@ -82,7 +83,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
   # entering state is read once, through a query per step.
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, u_zero, precision=precision)
   query = q_in - jnp.einsum("zhncs,zhnsd->zhncd", weights, w, precision=precision)
-  return common.read_out(m, u, query, intra, seg, bad, reset, precision)
+  return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision)
 
 
 def delta_rule(
