@@ -536,3 +536,33 @@ def test_errors_name_the_argument():
     rl.retrace_continuous(v, v, v, r, d, v[:4], 0.9)
   with pytest.raises(ValueError, match="`lambda_` must be a scalar or have the shape of `log_rhos`"):
     rl.retrace_continuous(v, v[:4], v, r, d, v[:4], np.full((5, 2), 0.9))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_in_the_next_episode_stays_out_of_a_truncated_one(mode):
+  """Steps 0 and 1 end in a truncation; the next episode's reward and values are NaN. The cut
+  episode's errors, and their gradients, are those of the same rollout without the NaNs."""
+  r = np.array([1.0, 2.0, np.nan, 1.0])
+  d = np.full(4, 0.9)
+  v_tm1 = np.array([0.5, 0.25, np.nan, 0.0])
+  v_t = np.array([0.25, np.nan, 0.0, 0.0])
+  q_t = np.stack([v_t, v_t + 1.0], axis=-1)
+  q_tm1 = np.stack([v_tm1, v_tm1 - 1.0], axis=-1)
+  actions = np.array([0, 1, 0, 1])
+  pi = np.full((4, 2), 0.5)
+  rho = np.array([0.5, 2.0, 1.0, 1.0])
+  cut = dict(truncated=np.array([False, True, False, False]), final_values=np.full(4, 10.0))
+  estimators = [
+      lambda r, v_t, q_t: rl.vtrace(v_tm1, v_t, r, d, rho, 0.8, mode=mode, **cut),
+      lambda r, v_t, q_t: rl.td_lambda(v_tm1, r, d, v_t, 0.8, mode=mode, **cut),
+      lambda r, v_t, q_t: rl.retrace(q_tm1, q_t, actions, actions, r, d, pi, pi[:, 0], 0.8, mode=mode,
+                                     **cut),
+      lambda r, v_t, q_t: rl.q_lambda(q_tm1, actions, r, d, q_t, 0.8, mode=mode, **cut),
+  ]
+  clean = np.nan_to_num(r), np.nan_to_num(v_t), np.nan_to_num(q_t)
+  for estimator in estimators:
+    f = jax.jit(lambda *x, f=estimator: f(*x)[:2])
+    _assert_close(f(r, v_t, q_t), f(*clean))
+    grads = jax.jit(jax.grad(lambda *x, f=f: jnp.sum(f(*x)), argnums=(0, 1, 2)))
+    for got, want in zip(grads(r, v_t, q_t), grads(*clean), strict=True):
+      _assert_close(got[:2], want[:2])

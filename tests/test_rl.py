@@ -399,3 +399,26 @@ def test_errors_name_the_argument():
     gae(r, d, values, 0.9, axis=2)
   with pytest.raises(ValueError, match="`rewards` must have a time axis"):
     rl.discounted_returns(1.0, 0.9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_in_the_next_episode_stays_out_of_a_truncated_one(mode):
+  """Steps 0 and 1 end in a truncation; the next episode's reward and values are NaN. The cut
+  episode's returns, and their gradients, are those of the same rollout without the NaNs."""
+  r = np.array([1.0, 2.0, np.nan, 1.0])
+  d = np.full(4, 0.9)
+  values = np.array([0.5, 0.25, np.nan, np.nan, 0.0])
+  cut = dict(truncated=np.array([False, True, False, False]), final_values=np.full(4, 10.0))
+  estimators = [
+      lambda r, v: rl.discounted_returns(r, d, v[-1], mode=mode, **cut),
+      lambda r, v: rl.lambda_returns(r, d, v[1:], 0.8, mode=mode, **cut),
+      lambda r, v: rl.generalized_advantage_estimation(r, d, v, 0.8, mode=mode, **cut),
+      lambda r, v: rl.n_step_returns(r, d, v[1:], 3, 0.8, **cut),
+  ]
+  clean = np.nan_to_num(r), np.nan_to_num(values)
+  for estimator in estimators:
+    f = jax.jit(lambda r, v, f=estimator: f(r, v)[:2])
+    _assert_close(f(r, values), f(*clean))
+    grads = jax.jit(jax.grad(lambda r, v, f=f: jnp.sum(f(r, v)), argnums=(0, 1)))
+    for got, want in zip(grads(r, values), grads(*clean), strict=True):
+      _assert_close(got[:2], want[:2])

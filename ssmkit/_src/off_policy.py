@@ -133,10 +133,10 @@ def _vtrace_errors(
     deltas = jnp.where(sample_mask, deltas, 0)
     discounts = jnp.where(sample_mask, discounts, 1)
     c = jnp.where(sample_mask, c, 1)
-    if traj.truncated is not None:
-      c = jnp.where(traj.truncated, 0, c)
-  errors = linear_recurrence((discounts, c), deltas, reverse=True, axis=traj.axis, mode=mode,
-                             overwrite_b=True)  # the TD errors are computed here
+  # A truncated step ends the trace by `reset`: a selection, so a NaN of the next episode
+  # stays there.
+  errors = linear_recurrence((discounts, c), deltas, reverse=True, reset=traj.truncated,
+                             axis=traj.axis, mode=mode, overwrite_b=True)  # TD errors made here
   if stop_target_gradients:
     return lax.stop_gradient(errors + v_tm1) - v_tm1
   return errors
@@ -296,9 +296,12 @@ def _retrace_errors(
   c = jnp.minimum(1.0, ratio_t) * lambda_
   length = c.shape[traj.axis]
   c = jnp.where(lax.broadcasted_iota(jnp.int32, c.shape, traj.axis) == length - 1, 0, c)
-  inputs = traj.rewards + traj.discounts * (expected_q_t - c * qa_t)
-  targets = linear_recurrence((traj.discounts, c), inputs, reverse=True, axis=traj.axis, mode=mode,
-                              overwrite_b=True)  # the inputs are computed here
+  next_q = c * qa_t
+  if traj.truncated is not None:  # selected: the next episode's q may be NaN
+    next_q = jnp.where(traj.truncated, jnp.zeros_like(next_q), next_q)
+  inputs = traj.rewards + traj.discounts * (expected_q_t - next_q)
+  targets = linear_recurrence((traj.discounts, c), inputs, reverse=True, reset=traj.truncated,
+                              axis=traj.axis, mode=mode, overwrite_b=True)  # inputs made here
   if stop_target_gradients:
     targets = lax.stop_gradient(targets)
   return (targets - qa_tm1).astype(traj.out_dtype)

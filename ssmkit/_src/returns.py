@@ -236,8 +236,8 @@ def generalized_advantage_estimation(
   v_t, lambda_ = cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
-      (traj.discounts, lambda_), deltas, reverse=True, axis=axis, mode=mode, axis_name=axis_name,
-      overwrite_b=True,
+      (traj.discounts, lambda_), deltas, reverse=True, reset=traj.truncated, axis=axis, mode=mode,
+      axis_name=axis_name, overwrite_b=True,
   )
   return finish(advantages, traj, stop_target_gradients)
 
@@ -317,10 +317,14 @@ def n_step_returns(
   def window(x: Array, start: Array | int) -> Array:
     return lax.dynamic_slice_in_dim(x, start, length)
 
+  truncated = None if traj.truncated is None else padded(traj.truncated, False)
+
   def step(k, targets):
     i = n - 1 - k
     d = window(discounts, i)
     lam = window(lambda_, i)
+    if truncated is not None:  # selected, so that a NaN of the next episode stays there
+      targets = jnp.where(window(truncated, i), jnp.zeros_like(targets), targets)
     return window(rewards, i) + d * ((1 - lam) * window(values, i) + lam * targets)
 
   returns = lax.fori_loop(0, n, step, window(values, n - 1))

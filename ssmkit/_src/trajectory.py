@@ -172,9 +172,11 @@ def lambda_recurrence(
     # Factors, not their product: the sequential scan multiplies them step by step.
     decay = (traj.discounts, lambda_)
     inputs = traj.rewards + traj.discounts * (1 - lambda_) * next_values
+  # A truncated step cuts the return off from the next episode by `reset`, a selection, so
+  # that a NaN there stays there (lambda = 0 alone would multiply it by zero).
   returns = linear_recurrence(
-      decay, inputs, bootstrap, reverse=True, axis=traj.axis, mode=mode, axis_name=axis_name,
-      overwrite_b=next_values is not None,  # computed here, unless they are the rewards
+      decay, inputs, bootstrap, reverse=True, reset=traj.truncated, axis=traj.axis, mode=mode,
+      axis_name=axis_name, overwrite_b=next_values is not None,  # computed here, unless rewards
   )
   return finish(returns, traj, stop_target_gradients)
 
