@@ -140,6 +140,21 @@ def test_bfloat16_accumulates_in_float32(mode):
   np.testing.assert_allclose(np.asarray(h, np.float64), expected, rtol=2**-8, atol=2**-8 * scale)
 
 
+def test_bfloat16_streamed_step_by_step_carries_a_float32_state():
+  rng = np.random.default_rng(2)
+  a, b = _inputs(rng, (200, 4), np.float32, low=0.99)
+  a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+  expected = references.linear_recurrence(np.asarray(a16, np.float64), np.asarray(b16, np.float64))
+  step = jax.jit(lambda a, b, h: linear_recurrence(a, b, h, return_final_state=True))
+  state, hs = np.zeros(4, np.float32), []
+  for t in range(200):
+    h, state = step(a16[t:t + 1], b16[t:t + 1], state)
+    assert h.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    hs.append(np.asarray(h, np.float64))
+  scale = np.max(np.abs(expected))
+  np.testing.assert_allclose(np.concatenate(hs), expected, rtol=2**-8, atol=2**-8 * scale)
+
+
 def _sequential_reference(a, b, h0, reset=None, reverse=False):
   """Plain lax.scan differentiated by JAX autodiff: the gradient reference."""
   a = jnp.broadcast_to(a, b.shape)

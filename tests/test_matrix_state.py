@@ -313,6 +313,9 @@ def test_a_decoding_step_runs_no_chunk_machinery(kind):
       assert primitive not in jaxpr, jaxpr
 
 
+STREAMED = 60
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_bfloat16_inputs_accumulate_in_float32(kind):
   rng = np.random.default_rng(16)
@@ -323,10 +326,18 @@ def test_bfloat16_inputs_accumulate_in_float32(kind):
   expected, expected_final = _reference(exact)
   for mode in ("sequential", "chunked"):
     out, final = _jitted(kind, mode, 64)(low)
-    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.bfloat16
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     # Only the final rounding to bfloat16 (8 bits of mantissa) separates them.
     _assert_close(np.asarray(out, np.float64), expected, 2e-2)
-    _assert_close(np.asarray(final, np.float64), expected_final, 2e-2)
+    _assert_close(np.asarray(final, np.float64), expected_final, 1e-5)
+  # Decoding token by token carries the float32 state: no rounding accumulates on the way.
+  state, outs = low["initial_state"], []
+  for t in range(STREAMED):
+    piece = {n: v if v is None or n == "initial_state" else v[:, t:t + 1] for n, v in low.items()}
+    out, state = _jitted(kind, "auto", None)(dict(piece, initial_state=state))
+    assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    outs.append(np.asarray(out, np.float64))
+  _assert_close(np.concatenate(outs, axis=1), expected[:, :STREAMED], 2**-8)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)

@@ -294,6 +294,21 @@ def accumulation_dtype(dtype) -> jnp.dtype:
   return dtype
 
 
+def output_and_state_dtypes(dtype, state) -> tuple[jnp.dtype, jnp.dtype]:
+  """The outputs' and the state's dtypes of a scan over inputs of `dtype` from `state`.
+
+  The state is kept and returned in the accumulation dtype, so that a sequence streamed in
+  pieces (or one step at a time) rounds its state no more than one pass does. A `state` in
+  that dtype, as a scan returns it, leaves the outputs' dtype alone (bfloat16 inputs give
+  bfloat16 outputs from a float32 state); a wider one (float64, complex) promotes them.
+  """
+  acc = accumulation_dtype(dtype)
+  if state is not None and jnp.result_type(acc, state) != acc:
+    dtype = jnp.result_type(dtype, state)
+    acc = accumulation_dtype(dtype)
+  return jnp.dtype(dtype), acc
+
+
 class _Prepared(NamedTuple):
   cfg: _Config
   a: Decay
@@ -327,12 +342,11 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name,
   for x, name in zip(factors, names, strict=True):
     checks.check_broadcasts_to(x, b.shape, name, "b")
   state_shape = b.shape[:axis] + b.shape[axis + 1 :]
-  out_dtype = jnp.result_type(*factors, b)
   if h0 is not None:
     h0 = jnp.asarray(h0)
     checks.check_inexact(h0, "h0")
     checks.check_shape(h0, state_shape, "h0", "`b` without its time axis")
-    out_dtype = jnp.result_type(out_dtype, h0)
+  out_dtype, acc = output_and_state_dtypes(jnp.result_type(*factors, b), h0)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
@@ -340,7 +354,6 @@ def _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, inner, axis_name,
     if inner is Inner.CUMSUM:
       raise ValueError("`inner='cumsum'` cannot segment a scan: pass `reset=None`.")
     reset = jnp.moveaxis(reset, axis, 0)
-  acc = accumulation_dtype(out_dtype)
   a = tuple(
       jnp.moveaxis(x.reshape((1,) * (b.ndim - x.ndim) + x.shape), axis, 0).astype(
           acc if jnp.iscomplexobj(x) else jnp.finfo(acc).dtype
@@ -427,8 +440,9 @@ def linear_recurrence(
       over a moved or cast copy of `b` anyway.
 
   Returns:
-    `h` with `b`'s shape and the promoted dtype of `a`, `b` (and `h0`); with
-    `return_final_state`, the tuple `(h, h_final)`.
+    `h` with `b`'s shape and the promoted dtype of `a` and `b` (and of `h0` where it is
+    wider than float32); with `return_final_state`, the tuple `(h, h_final)`, `h_final`
+    in the accumulation dtype (float32 for 16-bit inputs), ready to pass on as `h0`.
 
   Raises:
     TypeError: for an integer `a`, `b` or `h0`, or a non-boolean `reset`.
@@ -456,7 +470,7 @@ def linear_recurrence(
     h, h_last = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=True)
   h = jnp.moveaxis(h, 0, p.axis).astype(p.out_dtype)
   if return_final_state:
-    return h, h_last.astype(p.out_dtype)
+    return h, h_last
   return h
 
 
@@ -480,7 +494,8 @@ def linear_recurrence_final_state(
   same on every device; each device reduces its slice and one all-gather joins them.
 
   Returns:
-    h_{T-1} (h_0 when `reverse`), shaped like `b` without its time axis.
+    h_{T-1} (h_0 when `reverse`), shaped like `b` without its time axis, in the
+    accumulation dtype (float32 for 16-bit inputs).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -490,8 +505,7 @@ def linear_recurrence_final_state(
   """
   p = _prepare(a, b, h0, reset, reverse, axis, mode, chunk_size, None, axis_name)
   if p.b.shape[0] == 0:
-    return _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype)).astype(p.out_dtype)
+    return _zeros_if_none(p.h0, jnp.zeros((1, *p.b.shape[1:]), p.b.dtype))
   if axis_name is None:
-    return _final(p.cfg, p.a, p.b, p.h0, p.reset).astype(p.out_dtype)
-  h_final = _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=False)
-  return h_final.astype(p.out_dtype)
+    return _final(p.cfg, p.a, p.b, p.h0, p.reset)
+  return _across_devices(p.cfg, p.a, p.b, p.h0, p.reset, axis_name, states=False)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence, nonzero_tangents
+from ssmkit._src.linear_recurrence import linear_recurrence, nonzero_tangents, output_and_state_dtypes
 from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array
@@ -160,8 +160,9 @@ def selective_scan(
 
   Returns:
     `(y, last_state)`: `(..., T, D)` outputs and the `(..., D, N)` state after the last
-    step (`h0` when T = 0), in the promoted dtype of the inputs (16-bit floats accumulate
-    in float32).
+    step (`h0` when T = 0). The outputs have the promoted dtype of the inputs (and of `h0`
+    where it is wider than float32); the state has the accumulation dtype (float32 for
+    16-bit inputs, in which they accumulate), ready to pass on as `h0`.
 
   Raises:
     TypeError: for inputs that are not real floating or a non-boolean `reset`.
@@ -180,21 +181,19 @@ def selective_scan(
   checks.check_shape(a, (d, n), "a", "`(D, N)`, D the last axis of `u`")
   checks.check_shape(b, (*batch, length, n), "b", "`(..., T, N)`")
   checks.check_shape(c, (*batch, length, n), "c", "`(..., T, N)`")
-  dtype = jnp.result_type(u, dt, a, b, c)
   if h0 is not None:
     h0 = checks.real_floating(h0, "h0")
     checks.check_shape(h0, (*batch, d, n), "h0", "`(..., D, N)`")
-    dtype = jnp.result_type(dtype, h0)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
     checks.check_shape(reset, u.shape[:-1], "reset", "`u` without its feature axis")
   checks.check_chunk_size(chunk_size)
   mode = _resolve(parse_mode(mode), length)
-  acc = accumulation_dtype(dtype)
+  dtype, acc = output_and_state_dtypes(jnp.result_type(u, dt, a, b, c), h0)
   h0 = jnp.zeros((*batch, d, n), acc) if h0 is None else h0.astype(acc)
   if length == 0:
-    return jnp.zeros(u.shape, dtype), h0.astype(dtype)
+    return jnp.zeros(u.shape, dtype), h0
 
   steps = length if mode is Mode.PARALLEL else min(chunk_size or default_chunk_size(length), length)
   chunks = -(-length // steps)
@@ -213,4 +212,4 @@ def selective_scan(
   run = _fused if mode is Mode.SEQUENTIAL else _materialised
   y, last = run(jnp.transpose(a).astype(acc), state, xs, flags)
   y = jnp.moveaxis(y.reshape(chunks * steps, flat, d)[:length], 0, 1).reshape(u.shape)
-  return y.astype(dtype), jnp.swapaxes(last, 1, 2).reshape(h0.shape).astype(dtype)
+  return y.astype(dtype), jnp.swapaxes(last, 1, 2).reshape(h0.shape)

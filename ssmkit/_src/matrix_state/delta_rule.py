@@ -137,7 +137,8 @@ def delta_rule(
     precision: precision of the matrix products (`jax.lax.Precision`).
 
   Returns:
-    `o` `(..., T, H, V)`; with `return_final_state`, `(o, S_T)`.
+    `o` `(..., T, H, V)`; with `return_final_state`, `(o, S_T)`, dtypes as in
+    `linear_attention`.
 
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src import checks
-from ssmkit._src.linear_recurrence import accumulation_dtype
+from ssmkit._src.linear_recurrence import output_and_state_dtypes
 
 Array = jax.Array
 
@@ -32,7 +32,7 @@ class Inputs(NamedTuple):
     state: `(Z, H, K, V)` state before the first step.
     reset: None or `(Z, T)` booleans; True clears the state before that step.
     batch: the flattened batch shape.
-    dtype: the dtype of the outputs (the inputs' promoted dtype).
+    dtype: the dtype of the outputs (`output_and_state_dtypes`).
   """
 
   q: Array
@@ -111,13 +111,11 @@ def prepare(
   if initial_state is not None:
     initial_state = checks.real_floating(initial_state, "initial_state")
     checks.check_shape(initial_state, state_shape, "initial_state", "(..., H, K, V)")
-    dtypes.append(initial_state.dtype)
   if reset is not None:
     reset = jnp.asarray(reset)
     checks.check_bool(reset, "reset")
     checks.check_shape(reset, q.shape[:-2], "reset", "(..., T): the leading shape of `q`")
-  dtype = jnp.result_type(*dtypes)
-  acc = accumulation_dtype(dtype)
+  dtype, acc = output_and_state_dtypes(jnp.result_type(*dtypes), initial_state)
   z = math.prod(batch)
 
   def flat(x):
@@ -138,8 +136,9 @@ def prepare(
 
 
 def finish(inputs: Inputs, out: Array, state: Array, return_final_state: bool):
-  """`(Z, T, H, V)` outputs and the state in the public layout and the output dtype."""
+  """`(Z, T, H, V)` outputs in the public layout and dtype, and the state in the accumulation
+  dtype (`output_and_state_dtypes`)."""
   out = out.reshape(inputs.batch + out.shape[1:]).astype(inputs.dtype)
   if not return_final_state:
     return out
-  return out, state.reshape(inputs.batch + state.shape[1:]).astype(inputs.dtype)
+  return out, state.reshape(inputs.batch + state.shape[1:])

@@ -156,8 +156,10 @@ def linear_attention(
       (TF32 for float32 on recent NVIDIA GPUs: pass "highest" for full float32).
 
   Returns:
-    `o` `(..., T, H, V)` in the inputs' promoted dtype; with `return_final_state`, the
-    tuple `(o, S_T)` with `S_T` `(..., H, K, V)`.
+    `o` `(..., T, H, V)` in the inputs' promoted dtype (an `initial_state` wider than
+    float32 promotes it too); with `return_final_state`, the tuple `(o, S_T)` with `S_T`
+    `(..., H, K, V)` in the accumulation dtype (float32 for 16-bit inputs), so a sequence
+    streamed in pieces rounds its state no more than one pass.
 
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
