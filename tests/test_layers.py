@@ -152,6 +152,28 @@ def test_bfloat16_inputs_keep_their_dtype(layer):
                 rtol=2e-2)
 
 
+def _after_a_reset(params, x, reset, *, layer):
+  """Every mode's outputs, and gradients of the outputs from step 6 on with respect to `x`."""
+  results = []
+  for mode in ("sequential", "chunked", "parallel"):
+    loss = lambda x, mode=mode: jnp.sum(jnp.sin(layer.apply(params, x, reset, mode=mode)[:, 6:]))
+    results.append((layer.apply(params, x, reset, mode=mode), jax.grad(loss)(x)))
+  return results
+
+
+def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
+  """A NaN input at step 2 and a reset at step 6: eagerly as under jit, no error, and every
+  mode's outputs and input gradients from step 6 on are finite."""
+  params = _params(layer)
+  x = _set(X, (slice(None), 2), np.nan)
+  reset = _set(np.zeros(SHAPE[:2], bool), (slice(None), 6), True)
+  eager = layer.apply(params, x, reset)
+  np.testing.assert_allclose(eager, compiled.run(layer)(params, x, reset), rtol=1e-5, atol=1e-6)
+  for y, dx in compiled.compiled(_after_a_reset, layer=layer)(params, x, reset):
+    assert np.all(np.isfinite(y[:, 6:])) and np.all(np.isfinite(dx[:, 6:]))
+    _assert_close(y[:, 6:], eager[:, 6:])
+
+
 def _squared_output_gradients(params, x, *, layer):
   return jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
 

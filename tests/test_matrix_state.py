@@ -411,6 +411,8 @@ ERRORS = [
     (dict(log_decay=jnp.zeros((2, 5))), ValueError, "`log_decay` must be"),
     (dict(log_decay=jnp.full((2, 5, 3), 0.1)), ValueError, "<= 0"),
     (dict(log_decay=jnp.full((2, 5, 3), -jnp.inf)), ValueError, "finite"),
+    (dict(log_decay=np.where(np.arange(5)[:, None] == 1, np.nan, -0.5) * np.ones((2, 5, 3))),
+     ValueError, "6 non-finite values, the finite ones in .-0.5, -0.5."),
     (dict(reset=jnp.zeros((2, 5), jnp.int32)), TypeError, "`reset` must be a boolean"),
     (dict(reset=jnp.zeros((5, 2), bool)), ValueError, "`reset` must have shape (2, 5)"),
     (dict(initial_state=jnp.zeros((2, 3, 6, 4))), ValueError, "`initial_state` must have shape"),
@@ -432,6 +434,18 @@ def test_bad_input_is_refused_naming_the_argument(delta, overrides, error, match
       delta_rule(q, k, v, beta, x.pop("log_decay", None), **x)
     else:
       linear_attention(q, k, v, x.pop("log_decay", None), **x)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
+def test_decays_computed_by_the_caller_go_unchecked_eagerly_as_under_jit(delta):
+  x = _valid(log_decay=np.where(np.arange(5)[:, None] == 1, np.nan, -0.5) * np.ones((2, 5, 3)),
+             reset=np.arange(5) == 3 * np.ones((2, 1), bool))
+  inputs = (x["q"], x["k"], x["v"], x["beta"]) if delta else (x["q"], x["k"], x["v"])
+  call = functools.partial(delta_rule if delta else linear_attention, *inputs,
+                           log_decay=x["log_decay"], reset=x["reset"], mode="chunked")
+  eager = np.asarray(call(check_log_decay=False))
+  np.testing.assert_array_equal(eager, jax.jit(call)())
+  assert np.all(np.isnan(eager[:, 1:3])) and np.all(np.isfinite(eager[:, [0, 3, 4]]))
 
 
 def test_delta_rule_refuses_one_decay_per_key_and_a_misshapen_beta():

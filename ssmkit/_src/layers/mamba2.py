@@ -79,7 +79,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   a = -common.leading_ones(jnp.exp(params["A_log"]), dt.ndim)
   y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,
                             initial_state=state.recurrent, reset=reset, mode=mode,
-                            chunk_size=cfg.chunk_size, return_final_state=True)
+                            chunk_size=cfg.chunk_size, return_final_state=True,
+                            check_log_decay=False)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
   y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"])
   return (y @ params["out_proj"]).astype(x.dtype), ConvRecurrentState(window, ssm)

@@ -100,6 +100,7 @@ def delta_rule(
     return_final_state: bool = False,
     axis_name: Hashable | None = None,
     precision: lax.PrecisionLike = None,
+    check_log_decay: bool = True,
 ):
   """The delta rule and the gated delta rule (DeltaNet, Gated DeltaNet), per head.
 
@@ -135,6 +136,7 @@ def delta_rule(
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
       as S -> M S + U with M the `(K, K)` product of its transitions.
     precision: precision of the matrix products (`jax.lax.Precision`).
+    check_log_decay: as in `linear_attention`.
 
   Returns:
     `o` `(..., T, H, V)`; with `return_final_state`, `(o, S_T)`, dtypes as in
@@ -164,7 +166,8 @@ def delta_rule(
   if axis_name is not None:
     axis_position(axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, per_key_decay=False)
+              reset=reset, per_key_decay=False,
+              check_log_decay=check_log_decay)
   out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                                chunk_size=chunk_size, axis_name=axis_name,
                                precision=precision)

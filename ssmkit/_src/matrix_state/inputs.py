@@ -51,10 +51,14 @@ def _check_log_decay_values(log_decay: Array) -> None:
   if isinstance(log_decay, jax.core.Tracer):
     return
   value = np.asarray(log_decay)
-  if value.size and not (np.all(np.isfinite(value)) and value.max() <= 0):
+  finite = np.isfinite(value)
+  if value.size and not (np.all(finite) and value.max() <= 0):
+    got = f"{value.size - np.count_nonzero(finite)} non-finite values"
+    if np.any(finite):
+      got += f", the finite ones in [{value[finite].min()}, {value[finite].max()}]"
     raise ValueError(
         "`log_decay` must be finite and <= 0 (a decay exp(g) in (0, 1]; use `reset` to clear "
-        f"the state), got values in [{value.min()}, {value.max()}]."
+        f"the state), got {got}."
     )
 
 
@@ -68,6 +72,7 @@ def prepare(
     initial_state,
     reset,
     per_key_decay: bool,
+    check_log_decay: bool,
 ) -> Inputs:
   """Checks shapes and dtypes, flattens the batch axes and casts to the accumulation dtype.
 
@@ -75,6 +80,8 @@ def prepare(
     q, k, v, log_decay, beta, initial_state, reset: the public arguments (`beta` None for
       linear attention).
     per_key_decay: whether `(..., T, H, K)` decays are accepted besides `(..., T, H)`.
+    check_log_decay: whether to refuse a positive or non-finite `log_decay` known at trace
+      time.
 
   Raises:
     TypeError: for integer or complex inputs, or non-boolean `reset`.
@@ -101,7 +108,8 @@ def prepare(
       accepted = " or ".join(str(s) for s in shapes)
       what = "(..., T, H) or (..., T, H, K)" if per_key_decay else "(..., T, H)"
       raise ValueError(f"`log_decay` must be {what}: {accepted}, got {log_decay.shape}.")
-    _check_log_decay_values(log_decay)
+    if check_log_decay:
+      _check_log_decay_values(log_decay)
     dtypes.append(log_decay.dtype)
   if beta is not None:
     beta = checks.real_floating(beta, "beta")

@@ -110,6 +110,7 @@ def linear_attention(
     return_final_state: bool = False,
     axis_name: Hashable | None = None,
     precision: lax.PrecisionLike = None,
+    check_log_decay: bool = True,
 ):
   """Linear attention with a decaying matrix state, the recurrence of SSD, RetNet and GLA.
 
@@ -154,6 +155,9 @@ def linear_attention(
       the whole sequence's, the same on every device.
     precision: precision of the matrix products (`jax.lax.Precision`); default JAX's
       (TF32 for float32 on recent NVIDIA GPUs: pass "highest" for full float32).
+    check_log_decay: refuse a positive or non-finite `log_decay` whose values are known at
+      trace time (outside `jit`). Code that computes the decays from its own inputs (the
+      layers) passes False, so that a NaN input flows through eagerly as under `jit`.
 
   Returns:
     `o` `(..., T, H, V)` in the inputs' promoted dtype (an `initial_state` wider than
@@ -185,7 +189,8 @@ def linear_attention(
   if axis_name is not None:
     axis_position(axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
-              reset=reset, per_key_decay=True)
+              reset=reset, per_key_decay=True,
+              check_log_decay=check_log_decay)
   out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=False, mode=mode,
                                chunk_size=chunk_size, axis_name=axis_name,
                                precision=precision)
