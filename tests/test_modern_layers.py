@@ -198,8 +198,9 @@ def _rglru_reference(p, x, reset):
     gate_a = _sigmoid(block_diagonal(u, p["a_gate"], p["a_gate_bias"]))
     log_a = -8.0 * gate_a * _softplus(p["a_param"])
     a = np.exp(log_a)
-    multiplier = 1.0 if reset[t] else np.sqrt(1 - a**2)
-    h = (0.0 if reset[t] else a) * h + u * gate_x * multiplier
+    first = reset[t] or t == 0  # recurrentgemma: position 0 of a sequence is a reset
+    multiplier = 1.0 if first else np.sqrt(1 - a**2)
+    h = (0.0 if first else a) * h + u * gate_x * multiplier
     ys.append((h * y_branch) @ p["out_proj"] + p["out_bias"])
   return np.stack(ys)
 
@@ -212,6 +213,22 @@ def test_rglru_matches_the_reference_block():
   params = jax.tree.map(lambda v: 3 * v, params)
   expected = _rglru_reference(_params64(params), np.asarray(x, np.float64), reset)
   _assert_close(compiled.run(layer)(params, x, reset), expected)
+
+
+def test_rglru_left_padding_with_a_reset_at_the_first_real_step_changes_nothing():
+  """A sequence from no state starts with a reset, so padding in front of it, cut off by a
+  reset, leaves its outputs as they were; the first step from `initialize_state` too."""
+  layer = layers.RGLRU(d_state=8, num_heads=2)
+  x = _x((2, 9, 6))
+  padded = np.concatenate([_x((2, 4, 6), seed=3), x], axis=1)
+  reset = np.zeros((2, 13), bool)
+  reset[:, 4] = True
+  params = compiled.init(layer, padded.shape)
+  run = compiled.run(layer)
+  _assert_close(run(params, padded, reset)[:, 4:], run(params, x, None))
+  state, y_0 = compiled.run(layer, method="step")(params, layer.initialize_state((2, 6)), x[:, 0])
+  _assert_close(y_0, run(params, x, None)[:, 0])
+  assert state.started.all()
 
 
 def test_rglru_initialisation_follows_the_reference():

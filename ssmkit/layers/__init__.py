@@ -8,7 +8,7 @@ from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
-from ssmkit._src.layers.rglru import RGLRU
+from ssmkit._src.layers.rglru import RGLRU, RGLRUState
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
 
@@ -18,6 +18,7 @@ __all__ = [
     "S4D",
     "S5",
     "ConvRecurrentState",
+    "RGLRUState",
     "GatedDeltaNet",
     "Mamba",
     "Mamba2",

@@ -3,7 +3,7 @@ mixing gated linear recurrences with local attention for efficient language mode
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
+from ssmkit._src.layers.convolution import causal_conv, zero_window
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.modes import Mode
 
@@ -21,6 +21,22 @@ Array = jax.Array
 C = 8.0
 # sqrt's derivative is capped at this value (near a = 1 it grows without bound).
 MAX_SQRT_GRADIENT = 1000.0
+
+
+class RGLRUState(NamedTuple):
+  """The state of `RGLRU`.
+
+  Attributes:
+    conv: `(*batch, d_conv - 1, d_state)` float32, the convolution's last inputs.
+    recurrent: `(*batch, d_state)` float32, the RG-LRU's state.
+    started: `(*batch,)` bool, False until a step has been taken: as in recurrentgemma,
+      the first step of a sequence is a reset (it takes its input without the
+      sqrt(1 - a^2) factor), so a sequence from `initialize_state` starts with one.
+  """
+
+  conv: Array
+  recurrent: Array
+  started: Array
 
 
 def ring_init(r_min: float, r_max: float) -> nn.initializers.Initializer:
@@ -84,12 +100,12 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   }
 
 
-def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
-  """The zero state for inputs `(*batch, H)`: the convolution window and `(*batch, width)`."""
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> RGLRUState:
+  """The state before a sequence's first step, for inputs `(*batch, H)`."""
   *batch, features = input_shape
   width = _width(cfg, features)
-  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, width),
-                            jnp.zeros((*batch, width), jnp.float32))
+  return RGLRUState(zero_window(tuple(batch), cfg.d_conv, width),
+                    jnp.zeros((*batch, width), jnp.float32), jnp.zeros(tuple(batch), bool))
 
 
 def _block_diagonal(x: Array, w: Array, b: Array) -> Array:
@@ -101,10 +117,14 @@ def _block_diagonal(x: Array, w: Array, b: Array) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: RGLRUState | None = None) -> tuple[Array, RGLRUState]:
   """Griffin's recurrent block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   xf = x.astype(accumulation_dtype(x.dtype))
+  length = x.shape[-2]
+  position = jax.lax.broadcasted_iota(jnp.int32, (*state.started.shape, length), state.started.ndim)
+  first = (position == 0) & ~state.started[..., None]  # a sequence's first step
+  reset = first if reset is None else reset | first
 
   def dense(v: Array, name: str) -> Array:
     return v @ params[f"{name}_proj"] + common.leading_ones(params[f"{name}_bias"], v.ndim)
@@ -122,11 +142,11 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   h, last = linear_recurrence(jnp.exp(log_a), u * gate_x * norm, state.recurrent, reset=reset, axis=-2,
                               mode=mode, return_final_state=True)
   y = dense(h * gate_branch, "out")
-  return y.astype(x.dtype), ConvRecurrentState(window, last)
+  return y.astype(x.dtype), RGLRUState(window, last, state.started | (length > 0))
 
 
-def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Array,
-         reset: Array | None = None) -> tuple[ConvRecurrentState, Array]:
+def step(cfg: Any, params: dict[str, Array], state: RGLRUState, x_t: Array,
+         reset: Array | None = None) -> tuple[RGLRUState, Array]:
   """One step of Griffin's recurrent block on `(*batch, H)` inputs: `(state, y_t)`."""
   return functional.one_step(sequence, cfg, params, state, x_t, reset)
 
@@ -146,8 +166,10 @@ class RGLRU(functional.LinenLayer):
   runs through `ssmkit.scan.linear_recurrence` in the given mode. The output is
   W_out (h_t * g_t) + b_out. As in recurrentgemma, the step a reset flags takes its input
   without the sqrt(1 - a_t^2) factor, and the factor's derivative is capped at 1000. `reset`
-  clears the recurrence and the convolution window; the state is a `ConvRecurrentState`
-  whose `recurrent` part is `(*batch, d_state)`.
+  clears the recurrence and the convolution window. The state is an `RGLRUState`; the first
+  step of a sequence from no state (or from `initialize_state`) is a reset, as in
+  recurrentgemma, so a left-padded sequence with a reset at its first real step gives the
+  unpadded outputs.
 
   Attributes:
     d_state: width of the recurrence (recurrentgemma's `lru_width`); None: H.
