@@ -174,6 +174,34 @@ def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
     _assert_close(y[:, 6:], eager[:, 6:])
 
 
+def test_bfloat16_parameters_compute_as_their_float32_values(layer):
+  """`param_dtype=bfloat16` keeps the parameters in bfloat16 (complex ones form in float32)."""
+  low = layer.clone(param_dtype=jnp.bfloat16)
+  params = compiled.init(low, SHAPE)
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
+  y = compiled.run(low)(params, X, RESET)
+  assert y.dtype == X.dtype and np.all(np.isfinite(y))
+  as_float32 = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
+  _assert_close(y, compiled.run(layer)(as_float32, X, RESET), rtol=2e-2)
+
+
+@pytest.mark.parametrize("length", [0, 1])
+def test_lengths_zero_and_one(layer, length):
+  params = _params(layer)
+  x = X[:, :length]
+  y = compiled.run(layer)(params, x, RESET[:, :length])
+  assert y.shape == x.shape
+  if length:
+    _assert_close(y, compiled.run(layer)(params, X, RESET)[:, :1])
+  if getattr(layer, "bidirectional", False):
+    return
+  start = layer.initialize_state((2, 4))
+  _, state = compiled.run(layer, return_state=True)(params, x, None, initial_state=start)
+  if length == 0:  # nothing happened: the state is the one given
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(start), strict=True):
+      np.testing.assert_array_equal(got, want)
+
+
 def _squared_output_gradients(params, x, *, layer):
   return jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
 

@@ -289,6 +289,9 @@ def test_top_k_one_and_temperature_zero_are_greedy_without_a_key():
       layers.generate(model, variables, prompt, 6, rng=jax.random.key(1), top_p=1e-9), greedy)
   with pytest.raises(ValueError, match="`rng`"):
     layers.generate(model, variables, prompt, 6, temperature=0.5)
+  for token in (7, -1):  # above the vocabulary, and negative: neither may wrap round
+    with pytest.raises(ValueError, match=r"`prompt` tokens must lie in \[0, 7\)"):
+      layers.generate(model, variables, prompt.at[1, 2].set(token), 6, temperature=0.0)
 
 
 def test_sampled_tokens_stay_in_the_top_k_of_the_model():

@@ -99,6 +99,13 @@ def check_causal(cfg: Any, what: str) -> None:
     raise ValueError(f"a bidirectional {type(cfg).__name__} has no {what}: it reads the future.")
 
 
+def complex_from(re: Array, im: Array) -> Array:
+  """re + i im in complex64 at least: there is no 16-bit complex type, so parameters kept in
+  bfloat16 (`param_dtype`) form their complex numbers in float32."""
+  widen = lambda v: v.astype(jnp.promote_types(v.dtype, jnp.float32))
+  return jax.lax.complex(widen(re), widen(im))
+
+
 def leading_ones(v: Array, ndim: int) -> Array:
   """`v` with leading axes of size 1 up to rank `ndim`, for explicit broadcasting."""
   return v.reshape((1,) * (ndim - v.ndim) + v.shape)

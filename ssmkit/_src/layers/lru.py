@@ -46,8 +46,8 @@ def eigenvalues(nu_log: Array, theta_log: Array) -> Array:
 def gamma_log_init(key: Array, shape, dtype, nu_log: Array, theta_log: Array) -> Array:
   """log sqrt(1 - |lambda|^2) of the initial eigenvalues: the input scale that keeps the state's
   variance that of the input."""
-  del key, shape, dtype
-  return jnp.log(jnp.sqrt(1 - jnp.abs(eigenvalues(nu_log, theta_log)) ** 2))
+  del key, shape
+  return jnp.log(jnp.sqrt(1 - jnp.abs(eigenvalues(nu_log, theta_log)) ** 2)).astype(dtype)
 
 
 def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:

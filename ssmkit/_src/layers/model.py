@@ -325,6 +325,11 @@ def generation_arguments(model: Any, prompt: Array, num_steps: int, *, rng: Arra
   if not jnp.issubdtype(prompt.dtype, jnp.integer) or prompt.ndim < 1 or prompt.shape[-1] < 1:
     raise ValueError(f"`prompt` must be integer tokens `(*batch, P)` with P >= 1, got {prompt.dtype} "
                      f"{prompt.shape}.")
+  if _is_concrete(prompt) and prompt.size:
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= model.vocab_size:
+      raise ValueError(f"`prompt` tokens must lie in [0, {model.vocab_size}) (`vocab_size`), got "
+                       f"tokens in [{low}, {high}].")
   if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
     raise ValueError(f"`num_steps` must be a non-negative int, got {num_steps!r}.")
   greedy = _is_concrete(temperature) and np.all(np.asarray(temperature) == 0)

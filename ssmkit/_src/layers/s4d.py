@@ -67,11 +67,11 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
 
 def _system(cfg: Any, params: dict[str, Array]) -> tuple[Array, Array, Array]:
   """(A_bar, B_bar `(H, N/2)` complex, C `(directions, H, N/2)` complex)."""
-  a = jax.lax.complex(-jnp.exp(params["log_a_real"]), params["a_imag"])
+  a = common.complex_from(-jnp.exp(params["log_a_real"]), params["a_imag"])
   discretize = discretization.by_name(cfg.discretization)
-  a_bar, b_bar = discretize(a, jax.lax.complex(params["B_re"], params["B_im"]),
-                            jnp.exp(params["log_dt"])[:, None])
-  return a_bar, b_bar, jax.lax.complex(params["C_re"], params["C_im"])
+  a_bar, b_bar = discretize(a, common.complex_from(params["B_re"], params["B_im"]),
+                            jnp.exp(params["log_dt"].astype(a.real.dtype))[:, None])
+  return a_bar, b_bar, common.complex_from(params["C_re"], params["C_im"])
 
 
 def kernel(cfg: Any, params: dict[str, Array], length: int) -> Array:
@@ -103,7 +103,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
   xf = x.astype(accumulation_dtype(x.dtype))
   last = None
   if mode == CONVOLUTION:
-    y = _convolve(cfg, xf, kernel(cfg, params, x.shape[-2]))
+    # An FFT has no length 0.
+    y = _convolve(cfg, xf, kernel(cfg, params, x.shape[-2])) if x.shape[-2] else jnp.zeros_like(xf)
   else:
     y, last = _recurrence(cfg, params, xf, reset, mode, initial_state)
   y = (y + xf * common.leading_ones(params["D"], xf.ndim)).astype(x.dtype)

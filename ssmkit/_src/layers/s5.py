@@ -93,10 +93,10 @@ def _system(cfg: Any, params: dict[str, Array]) -> tuple[Array, Array, Array]:
   """(Lambda_bar `(M,)`, B_bar `(M, H)`, C `(directions, H, M)` complex)."""
   b, c = params["B"], params["C"]
   discretize = discretization.by_name(cfg.discretization)
-  lam_bar, b_bar = discretize(
-      jax.lax.complex(params["Lambda_re"], params["Lambda_im"]), jax.lax.complex(b[0], b[1]),
-      jnp.exp(params["log_dt"]))
-  return lam_bar, b_bar, jax.lax.complex(c[0], c[1])
+  lam = common.complex_from(params["Lambda_re"], params["Lambda_im"])
+  lam_bar, b_bar = discretize(lam, common.complex_from(b[0], b[1]),
+                              jnp.exp(params["log_dt"].astype(lam.real.dtype)))
+  return lam_bar, b_bar, common.complex_from(c[0], c[1])
 
 
 def _read(cfg: Any, h: Array, c: Array) -> Array:
