@@ -107,6 +107,33 @@ def test_overrides_apply_on_top_of_the_file_with_yaml_values():
 
 
 @pytest.mark.parametrize(
+    "overrides, layer, kwargs",
+    [
+        # A new layer starts from its own defaults: the file's LRU arguments are not Mamba's.
+        (["model.layer=mamba"], "mamba", {}),
+        (["model.layer=mamba", "model.layer_kwargs.d_state=8"], "mamba", {"d_state": 8}),
+        (["model.layer_kwargs.d_state=8", "model.layer=mamba"], "mamba", {"d_state": 8}),
+        # The same layer keeps them; a dict set whole replaces the file's.
+        (["model.layer=lru"], "lru", {"d_state": 64, "r_min": 0.4, "r_max": 0.99}),
+        (["model.layer_kwargs={}"], "lru", {}),
+        (["model.layer_kwargs=null"], "lru", {}),
+        (["model.layer_kwargs={d_state: 4}"], "lru", {"d_state": 4}),
+    ],
+)
+def test_switching_the_layer_drops_the_old_layers_arguments(overrides, layer, kwargs):
+  config = train.load_config("mnist1d_lru", overrides)
+  assert (config.model.layer, config.model.layer_kwargs) == (layer, kwargs)
+  assert config.data.kwargs["num_samples"] == 5000  # other dicts stay as the file has them
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path, capsys):
+  (tmp_path / "run").write_text("notes")
+  assert cli.main(["train", "mnist1d_lru", "--workdir", str(tmp_path / "run")]) == 2
+  assert "is a file" in capsys.readouterr().err.splitlines()[-1]
+  assert (tmp_path / "run").read_text() == "notes"
+
+
+@pytest.mark.parametrize(
     "overrides, key",
     [
         (["model.featurs=3"], "model.featurs"),

@@ -145,7 +145,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
       (`shipped_configs()`, e.g. "mnist1d_lru"); None starts from the defaults.
     overrides: strings like "train.steps=100" or "model.layer_kwargs.d_state=32", applied in order;
       values are parsed as YAML ("null", "true", "1e-3"); the dict fields (`data.kwargs`,
-      `env.kwargs`, `model.layer_kwargs`) are merged key by key.
+      `env.kwargs`, `model.layer_kwargs`) are merged key by key, except that one set whole
+      replaces the file's, and one whose choice changes (`model.layer=mamba`, `data.name`)
+      drops the file's arguments of the old choice.
 
   Returns:
     The merged and validated config.
@@ -217,10 +219,13 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
 
   Raises:
     ConfigError: for a config that does not fit its data, environment or devices, or a workdir
-      holding another run; raised before anything is written.
+      that is a file or holds another run; raised before anything is written.
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM; the same call resumes.
   """
-  return task_kind(config).train_and_evaluate(config, workdir, hooks=hooks)
+  kind = task_kind(config)
+  if pathlib.Path(workdir).exists() and not pathlib.Path(workdir).is_dir():
+    raise ConfigError(f"the workdir {str(workdir)!r} is a file; name a directory (new or of this run).")
+  return kind.train_and_evaluate(config, workdir, hooks=hooks)
 
 
 def evaluate(workdir: str | pathlib.Path, step: int | None = None) -> dict[str, Any]:

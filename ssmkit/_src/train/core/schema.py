@@ -7,6 +7,7 @@ overrides, and checks fields against the choices and ranges a task kind gives it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.resources
 import pathlib
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ssmkit._src.train.core.errors import ConfigError
@@ -91,11 +92,49 @@ def merge(schema: type[_Schema], content: Mapping[str, Any], overrides: Sequence
   """
   check_overrides(overrides)
   try:
+    structured = OmegaConf.structured(schema)
+    content, overrides = _replacing(structured, content, overrides)
     dotlist = OmegaConf.from_dotlist(list(overrides))
-    merged = OmegaConf.merge(OmegaConf.structured(schema), content, dotlist)
-    return OmegaConf.to_object(merged)
+    return OmegaConf.to_object(OmegaConf.merge(structured, content, dotlist))
   except OmegaConfBaseException as error:
     raise _config_error(error) from None
+
+
+def _kwargs_of(field: str) -> str:
+  """The dict field of a section that holds the keyword arguments of the choice in `field`."""
+  return "kwargs" if field == "name" else f"{field}_kwargs"
+
+
+def _replacing(structured: DictConfig, content: Mapping[str, Any], overrides: Sequence[str]
+               ) -> tuple[dict[str, Any], list[str]]:
+  """`content` and `overrides` where an override replaces a dict instead of merging into it.
+
+  Dict fields merge key by key, with two exceptions. An override that sets one whole
+  (`model.layer_kwargs={}` or `=null`) replaces the content's. An override that changes the
+  choice such a dict belongs to (`model.layer` for `model.layer_kwargs`, a section's `name`
+  for its `kwargs`) drops the content's arguments, which were the old choice's: the new layer
+  or dataset starts from its own defaults, plus the arguments overridden with it.
+  """
+  content = copy.deepcopy(dict(content))
+  kept = []
+  for override in overrides:
+    key, _, text = override.partition("=")
+    *path, field = key.split(".")
+    section = content
+    for name in path:
+      section = section.get(name) if isinstance(section, dict) else None
+    value = yaml.safe_load(text) if text else None
+    if isinstance(OmegaConf.select(structured, key, default=None), DictConfig):
+      if isinstance(section, dict) and isinstance(value, dict | None):
+        section.pop(field, None)
+      if value is None:
+        override = f"{key}={{}}"
+    elif isinstance(section, dict) and _kwargs_of(field) in section:
+      before = section.get(field, OmegaConf.select(structured, key, default=None))
+      if value != before:
+        section.pop(_kwargs_of(field))
+    kept.append(override)
+  return content, kept
 
 
 def get_field(config: Any, key: str) -> Any:
