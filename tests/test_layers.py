@@ -152,26 +152,40 @@ def test_bfloat16_inputs_keep_their_dtype(layer):
                 rtol=2e-2)
 
 
-def _after_a_reset(params, x, reset, *, layer):
-  """Every mode's outputs, and gradients of the outputs from step 6 on with respect to `x`."""
+def _after_a_reset(params, x, reset, state, *, layer):
+  """Every mode's outputs from `state`, and gradients of those from step 6 on with respect to
+  `x`."""
   results = []
   for mode in ("sequential", "chunked", "parallel"):
-    loss = lambda x, mode=mode: jnp.sum(jnp.sin(layer.apply(params, x, reset, mode=mode)[:, 6:]))
-    results.append((layer.apply(params, x, reset, mode=mode), jax.grad(loss)(x)))
+    run = lambda x, state, mode=mode: layer.apply(params, x, reset, mode=mode, initial_state=state)
+    loss = lambda x, state, run=run: jnp.sum(jnp.sin(run(x, state)[:, 6:]))
+    results.append((run(x, state), jax.grad(loss)(x, state)))
   return results
 
 
+def _poisoned_state(layer):
+  """The zero state with every float entry NaN (None for a bidirectional layer: it has none)."""
+  if getattr(layer, "bidirectional", False):
+    return None
+  return jax.tree.map(lambda s: np.full(s.shape, np.nan, s.dtype) if jnp.issubdtype(
+      s.dtype, jnp.inexact) else np.asarray(s), layer.initialize_state((2, 4)))
+
+
 def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
-  """A NaN input at step 2 and a reset at step 6: eagerly as under jit, no error, and every
-  mode's outputs and input gradients from step 6 on are finite."""
+  """A NaN input at step 2, or a NaN state to start from, and a reset at step 6: eagerly as
+  under jit, no error, and every mode's outputs and input gradients from step 6 on are finite."""
   params = _params(layer)
-  x = _set(X, (slice(None), 2), np.nan)
   reset = _set(np.zeros(SHAPE[:2], bool), (slice(None), 6), True)
-  eager = layer.apply(params, x, reset)
-  np.testing.assert_allclose(eager, compiled.run(layer)(params, x, reset), rtol=1e-5, atol=1e-6)
-  for y, dx in compiled.compiled(_after_a_reset, layer=layer)(params, x, reset):
-    assert np.all(np.isfinite(y[:, 6:])) and np.all(np.isfinite(dx[:, 6:]))
-    _assert_close(y[:, 6:], eager[:, 6:])
+  clean = None if getattr(layer, "bidirectional", False) else layer.initialize_state((2, 4))
+  for x, state in ((_set(X, (slice(None), 2), np.nan), clean), (X, _poisoned_state(layer))):
+    if state is None and x is X:
+      continue
+    eager = layer.apply(params, x, reset, initial_state=state)
+    np.testing.assert_allclose(eager, compiled.run(layer)(params, x, reset, initial_state=state),
+                               rtol=1e-5, atol=1e-6)
+    for y, dx in compiled.compiled(_after_a_reset, layer=layer)(params, x, reset, state):
+      assert np.all(np.isfinite(y[:, 6:])) and np.all(np.isfinite(dx[:, 6:]))
+      _assert_close(y[:, 6:], eager[:, 6:])
 
 
 def test_bfloat16_parameters_compute_as_their_float32_values(layer):

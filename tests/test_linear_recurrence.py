@@ -430,10 +430,9 @@ def test_nan_or_inf_in_any_input_before_a_reset_reaches_no_gradient_after_it(mod
   reset[[6, 12]] = True
 
   @jax.jit
-  @jax.grad
-  def gradients(inputs):
-    h = linear_recurrence(*inputs, reset=reset, mode=mode, chunk_size=chunk_size)
-    return jnp.sum(jnp.sin(h[12:]))
+  def values_and_gradients(inputs):
+    run = lambda inputs: linear_recurrence(*inputs, reset=reset, mode=mode, chunk_size=chunk_size)
+    return run(inputs), jax.grad(lambda inputs: jnp.sum(jnp.sin(run(inputs)[12:])))(inputs)
 
   for name in ("a", "b", "h0"):
     inputs = dict(a=rng.uniform(0.5, 0.9, (20, 2)), b=rng.normal(size=(20, 2)),
@@ -442,8 +441,35 @@ def test_nan_or_inf_in_any_input_before_a_reset_reaches_no_gradient_after_it(mod
       inputs[name][0] = np.nan
     else:
       inputs[name][3, 1], inputs[name][9, 0] = np.nan, np.inf
-    g = gradients((inputs["a"], inputs["b"], inputs["h0"]))
+    h, g = values_and_gradients((inputs["a"], inputs["b"], inputs["h0"]))
+    expected = references.linear_recurrence(inputs["a"][12:], inputs["b"][12:])
+    np.testing.assert_allclose(h[12:], expected, rtol=1e-12)
     assert np.isfinite(g[0][12:]).all() and np.isfinite(g[1][12:]).all(), name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_strong_decays_in_every_mode_values_and_gradients(dtype):
+  """Decays of exp(-47) to exp(-50) a step, with resets: products underflow to 0, which is
+  right; nothing may overflow or divide by them (the cumsum form, documented unsafe, aside)."""
+  rng = np.random.default_rng(41)
+  a = np.exp(-rng.uniform(47.0, 50.0, (70, 3))).astype(dtype)
+  b = rng.normal(size=(70, 3)).astype(dtype)
+  h0 = rng.normal(size=3).astype(dtype)
+  reset = rng.uniform(size=(70, 1)) < 0.1
+  tol = 1e-12 if dtype == np.float64 else 1e-6
+  expected = references.linear_recurrence(a, b, h0, reset)
+  loss = lambda f: lambda a, b, h0: jnp.sum(jnp.sin(f(a, b, h0)))
+  reference = loss(lambda a, b, h0: _sequential_reference(a, b, h0, reset[:, :1] * np.ones((1, 3), bool)))
+  expected_grads = jax.jit(jax.grad(reference, argnums=(0, 1, 2)))(a, b, h0)
+  for kwargs in MODES:
+    if kwargs.get("inner") == "cumsum":
+      continue
+    run = lambda a, b, h0, kwargs=kwargs: linear_recurrence(a, b, h0, reset=reset, **kwargs)
+    np.testing.assert_allclose(jax.jit(run)(a, b, h0), expected, rtol=tol, atol=tol)
+    grads = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(a, b, h0)
+    for got, want in zip(grads, expected_grads, strict=True):
+      assert np.all(np.isfinite(got)), kwargs
+      np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "parallel", "chunked"])

@@ -117,11 +117,12 @@ def test_nan_or_inf_before_a_reset_reaches_no_gradient_after_it(mode, chunk_size
   reset[[6, 12]] = True
 
   @jax.jit
-  @jax.grad
-  def gradients(inputs, a):
-    u, dt, b, c, h0 = inputs
-    y, _ = selective_scan(u, dt, a, b, c, h0=h0, reset=reset, chunk_size=chunk_size, mode=mode)
-    return jnp.sum(jnp.sin(y[12:]))
+  def values_and_gradients(inputs, a):
+    def run(inputs):
+      u, dt, b, c, h0 = inputs
+      return selective_scan(u, dt, a, b, c, h0=h0, reset=reset, chunk_size=chunk_size, mode=mode)[0]
+
+    return run(inputs), jax.grad(lambda inputs: jnp.sum(jnp.sin(run(inputs)[12:])))(inputs)
 
   for i, name in enumerate(("u", "dt", "b", "c", "h0")):
     u, dt, a, b, c, h0 = _inputs(10 + i, (), 20)
@@ -130,8 +131,35 @@ def test_nan_or_inf_before_a_reset_reaches_no_gradient_after_it(mode, chunk_size
       h0[0, 0] = np.inf
     else:
       inputs[i][3, 1], inputs[i][9, 0] = np.nan, np.inf
-    for g in gradients(inputs, a)[:4]:
+    y, grads = values_and_gradients(inputs, a)
+    after = [x[12:] for x in (u, dt, b, c)]
+    _assert_close(y[12:], references.selective_scan(*after[:2], a, *after[2:], None, None)[0])
+    for g in grads[:4]:
       assert np.isfinite(g[12:]).all(), name
+
+
+def test_strong_decays_in_every_mode_values_and_gradients():
+  """dt A down to -50 a step: the decays underflow to 0, which is right, and nothing else."""
+  u, _, a, b, c, h0 = _inputs(20, (2,), 70)
+  dt = np.random.default_rng(21).uniform(10.0, 12.5, u.shape)
+  a = np.full_like(a, -4.0)
+  reset = _resets(22, (2,), 70)
+  expected = references.selective_scan(u, dt, a, b, c, h0, reset)
+  loss = lambda mode: lambda u, dt, b, c, h0: jnp.sum(jnp.sin(selective_scan(
+      u, dt, a, b, c, h0=h0, reset=reset, chunk_size=8, mode=mode)[0]))
+  grads = {}
+  for mode in MODES:
+    y, last = jax.jit(lambda *x, mode=mode: selective_scan(*x, h0=h0, reset=reset, chunk_size=8,
+                                                           mode=mode))(u, dt, a, b, c)
+    _assert_close(y, expected[0])
+    _assert_close(last, expected[1])
+    grads[mode] = jax.jit(jax.grad(loss(mode), argnums=(0, 1, 2, 3, 4)))(u, dt, b, c, h0)
+    for g in grads[mode]:
+      assert np.all(np.isfinite(g)), mode
+  # The sequential mode's hand-written gradient against autodiff of the others.
+  for mode in MODES[1:]:
+    for got, want in zip(grads[mode], grads["sequential"], strict=True):
+      _assert_close(got, want)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "chunked"])
