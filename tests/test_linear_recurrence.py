@@ -459,7 +459,8 @@ def test_strong_decays_in_every_mode_values_and_gradients(dtype):
   tol = 1e-12 if dtype == np.float64 else 1e-6
   expected = references.linear_recurrence(a, b, h0, reset)
   loss = lambda f: lambda a, b, h0: jnp.sum(jnp.sin(f(a, b, h0)))
-  reference = loss(lambda a, b, h0: _sequential_reference(a, b, h0, reset[:, :1] * np.ones((1, 3), bool)))
+  every_feature = np.broadcast_to(reset, (70, 3))
+  reference = loss(lambda a, b, h0: _sequential_reference(a, b, h0, every_feature))
   expected_grads = jax.jit(jax.grad(reference, argnums=(0, 1, 2)))(a, b, h0)
   for kwargs in MODES:
     if kwargs.get("inner") == "cumsum":
