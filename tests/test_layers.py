@@ -429,6 +429,20 @@ def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):
     factory(d_state=d_state).init(jax.random.key(0), _x((2, 5, 4)))
 
 
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(d_conv=0), "`d_conv` must be a positive int"),
+    (dict(d_conv=-1), "`d_conv` must be a positive int"),
+    (dict(expand=0), "`expand` must be a positive int"),
+    (dict(expand=1.5), "`expand` must be a positive int"),
+    (dict(dt_rank=0), "`dt_rank` must be a positive int"),
+    (dict(dt_min=0.0), "dt_min"),
+    (dict(dt_min=0.2, dt_max=0.1), "dt_min"),
+])
+def test_mamba_options_out_of_range_are_named(options, match):
+  with pytest.raises(ValueError, match=match):
+    layers.Mamba(**options).init(jax.random.key(0), _x((2, 5, 4)))
+
+
 def _s5_reference(layer, params, x, reset=None):
   """x_t = Lambda_bar x_{t-1} + B_bar u_t, y_t = (2) Re(C x_t) + D u_t in float64 (ZOH)."""
   p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}

@@ -326,7 +326,8 @@ def generation_arguments(model: Any, prompt: Array, num_steps: int, *, rng: Arra
     raise ValueError(f"`prompt` must be integer tokens `(*batch, P)` with P >= 1, got {prompt.dtype} "
                      f"{prompt.shape}.")
   if _is_concrete(prompt) and prompt.size:
-    low, high = int(prompt.min()), int(prompt.max())
+    tokens = np.asarray(prompt)  # in NumPy: inside a jit, jnp.min would be staged
+    low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= model.vocab_size:
       raise ValueError(f"`prompt` tokens must lie in [0, {model.vocab_size}) (`vocab_size`), got "
                        f"tokens in [{low}, {high}].")
