@@ -166,8 +166,7 @@ def delta_rule(
   if axis_name is not None:
     axis_position(axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, per_key_decay=False,
-              check_log_decay=check_log_decay)
+              reset=reset, per_key_decay=False, check_log_decay=check_log_decay)
   out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                                chunk_size=chunk_size, axis_name=axis_name,
                                precision=precision)

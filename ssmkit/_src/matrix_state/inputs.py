@@ -53,12 +53,14 @@ def _check_log_decay_values(log_decay: Array) -> None:
   value = np.asarray(log_decay)
   finite = np.isfinite(value)
   if value.size and not (np.all(finite) and value.max() <= 0):
-    got = f"{value.size - np.count_nonzero(finite)} non-finite values"
+    count = value.size - np.count_nonzero(finite)
+    got = [f"{count} non-finite values"] if count else []
     if np.any(finite):
-      got += f", the finite ones in [{value[finite].min()}, {value[finite].max()}]"
+      got.append(f"{'the finite ones' if count else 'values'} in "
+                 f"[{value[finite].min()}, {value[finite].max()}]")
     raise ValueError(
         "`log_decay` must be finite and <= 0 (a decay exp(g) in (0, 1]; use `reset` to clear "
-        f"the state), got {got}."
+        f"the state), got {', '.join(got)}."
     )
 
 

@@ -190,8 +190,7 @@ def linear_attention(
   if axis_name is not None:
     axis_position(axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
-              reset=reset, per_key_decay=True,
-              check_log_decay=check_log_decay)
+              reset=reset, per_key_decay=True, check_log_decay=check_log_decay)
   out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=False, mode=mode,
                                chunk_size=chunk_size, axis_name=axis_name,
                                precision=precision)
