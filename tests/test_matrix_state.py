@@ -409,7 +409,7 @@ ERRORS = [
     (dict(q=jnp.ones((5, 4)), k=jnp.ones((5, 4)), v=jnp.ones((5, 4))), ValueError, "`q` must be"),
     (dict(q=jnp.ones((2, 5, 3, 4), jnp.int32)), TypeError, "`q` must have a real floating"),
     (dict(log_decay=jnp.zeros((2, 5))), ValueError, "`log_decay` must be"),
-    (dict(log_decay=jnp.full((2, 5, 3), 0.1)), ValueError, "<= 0 .* got values in .0.1, 0.1.."),
+    (dict(log_decay=jnp.full((2, 5, 3), 0.5)), ValueError, "<= 0 .* got values in .0.5, 0.5.."),
     (dict(log_decay=jnp.full((2, 5, 3), -jnp.inf)), ValueError, "finite"),
     (dict(log_decay=np.where(np.arange(5)[:, None] == 1, np.nan, -0.5) * np.ones((2, 5, 3))),
      ValueError, "6 non-finite values, the finite ones in .-0.5, -0.5."),
