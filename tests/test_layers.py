@@ -188,6 +188,19 @@ def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
       _assert_close(y[:, 6:], eager[:, 6:])
 
 
+def test_inputs_that_saturate_every_gate_and_decay_stay_finite(layer):
+  """Inputs of magnitude 1000 drive step sizes, gates and data-dependent decays to their
+  extremes (decays of exp(-1000) and below): every mode's outputs and input gradients stay
+  finite, and the modes agree."""
+  params = _params(layer)
+  reset = _set(np.zeros(SHAPE[:2], bool), (slice(None), 6), True)
+  start = None if getattr(layer, "bidirectional", False) else layer.initialize_state((2, 4))
+  results = compiled.compiled(_after_a_reset, layer=layer)(params, 1000 * X, reset, start)
+  for y, dx in results:
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(dx))
+    _assert_close(y, results[0][0], rtol=1e-4)
+
+
 def test_bfloat16_parameters_compute_as_their_float32_values(layer):
   """`param_dtype=bfloat16` keeps the parameters in bfloat16 (complex ones form in float32)."""
   low = layer.clone(param_dtype=jnp.bfloat16)
