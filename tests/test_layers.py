@@ -1,5 +1,7 @@
 """`ssmkit.layers`: one contract every layer meets, then each layer against its paper."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -435,11 +437,18 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
   np.testing.assert_array_equal(layer.apply(params, x, mode="auto"), convolved)
 
 
+def _state_size_option(layer: type) -> str:
+  """The option that sizes a layer's state: `d_state`, or attention's `cache_size`."""
+  fields = {f.name for f in dataclasses.fields(layer)}
+  return next(name for name in ("d_state", "cache_size") if name in fields)
+
+
 @pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))
-@pytest.mark.parametrize("d_state", [0, -2, 2.5])
-def test_state_size_that_is_not_a_positive_int_is_refused(factory, d_state):
-  with pytest.raises(ValueError, match="`d_state` must be a positive int"):
-    factory(d_state=d_state).init(jax.random.key(0), _x((2, 5, 4)))
+@pytest.mark.parametrize("size", [0, -2, 2.5])
+def test_state_size_that_is_not_a_positive_int_is_refused(factory, size):
+  option = _state_size_option(factory)
+  with pytest.raises(ValueError, match=f"`{option}` must be a positive int"):
+    factory(**{option: size}).init(jax.random.key(0), _x((2, 5, 4)))
 
 
 @pytest.mark.parametrize(("options", "match"), [

@@ -265,12 +265,16 @@ def test_ssm_parameters_get_their_own_group(layer, ssm):
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
-  """A renamed parameter must be renamed in the declaration too, or this fails."""
-  layer = LAYERS[name].layer(**LAYERS[name].test_configs[0])
-  params = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((1, 5, 16), jnp.float32))["params"]
-  groups = layer.parameter_groups
+  """A renamed parameter must be renamed in the declaration too, or this fails (the parameters
+  of every test configuration: some, as biases, exist only with an option)."""
+  names = set()
+  for config in LAYERS[name].test_configs:
+    layer = LAYERS[name].layer(**config)
+    x = jnp.ones((1, 5, 16), jnp.float32)
+    names |= set(jax.eval_shape(layer.init, jax.random.key(0), x)["params"])
+  groups = LAYERS[name].layer.parameter_groups
   assert not groups.recurrence & groups.no_decay
-  assert groups.recurrence | groups.no_decay <= set(params)
+  assert groups.recurrence | groups.no_decay <= names
 
 
 def test_optimizer_gives_ssm_parameters_their_learning_rate_and_no_weight_decay():

@@ -1,5 +1,6 @@
 """Flax linen SSM layers with whole-sequence and step-by-step modes that agree."""
 
+from ssmkit._src.layers.attention import Attention, AttentionState
 from ssmkit._src.layers.block import SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
@@ -17,6 +18,8 @@ __all__ = [
     "RGLRU",
     "S4D",
     "S5",
+    "Attention",
+    "AttentionState",
     "ConvRecurrentState",
     "GatedDeltaNet",
     "Mamba",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import ACTIVATIONS, NORMS
 from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
@@ -48,6 +49,11 @@ LAYERS: dict[str, Entry] = {
     "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
+    "attention": Entry(Attention, (
+        {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "window": 5, "rope_fraction": 0.5},
+        {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "logit_cap": 3.0,
+         "use_bias": True},
+    )),
 }
 
 __all__ = ["ACTIVATIONS", "LAYERS", "NORMS", "POOLINGS", "Entry"]

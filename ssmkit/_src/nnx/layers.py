@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.attention import Attention as _Attention
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet as _GatedDeltaNet
 from ssmkit._src.layers.lru import LRU as _LRU
 from ssmkit._src.layers.mamba import Mamba as _Mamba
@@ -164,6 +165,7 @@ def front_end(linen: type[nn.Module], argument: str = "layer") -> type[Layer]:
                                "__qualname__": name, **methods})
 
 
+Attention = front_end(_Attention)
 LRU = front_end(_LRU)
 S4D = front_end(_S4D)
 S5 = front_end(_S5)

@@ -1,0 +1,345 @@
+"""Causal self-attention as a layer like the recurrent ones: grouped key/value heads, rotary
+positions, an optional sliding window, resets that start documents, and a key/value cache of
+fixed capacity as its state."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.common import ParamSpec
+from ssmkit._src.layers.norms import rms_norm
+from ssmkit._src.linear_recurrence import accumulation_dtype
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+
+# Queries per block: a sequence longer than this attends block by block, each block's logits
+# rematerialised in the backward pass, so memory holds BLOCK x keys logits, not T x keys.
+BLOCK = 512
+
+
+class AttentionState(NamedTuple):
+  """The key/value cache of `Attention`: the last `capacity` steps, oldest first.
+
+  The capacity is the `window` of local attention, else `cache_size`.
+
+  Attributes:
+    k: `(*batch, capacity, num_kv_heads, head_dim)` float32 keys, rotary positions applied.
+    v: `(*batch, capacity, num_kv_heads, head_dim)` float32 values.
+    valid: `(*batch, capacity)` bool, True for the entries of the current document.
+    position: `(*batch,)` int32, the rotary position of the next step in its document.
+  """
+
+  k: Array
+  v: Array
+  valid: Array
+  position: Array
+
+
+def _heads(cfg: Any, features: int) -> tuple[int, int, int]:
+  """(query heads, key/value heads, head width)."""
+  kv = cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads
+  return cfg.num_heads, kv, features // cfg.num_heads if cfg.head_dim is None else cfg.head_dim
+
+
+def capacity(cfg: Any) -> int:
+  """The steps the cache holds: the window, or `cache_size` for global attention."""
+  return cfg.cache_size if cfg.window is None else cfg.window
+
+
+def _rotary_width(cfg: Any, head_dim: int) -> int:
+  """The channels of a head that rotate: `rope_fraction` of them, an even number."""
+  return int(head_dim * cfg.rope_fraction) // 2 * 2
+
+
+def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
+  """The projections (and biases, q/k norm scales) of attention over `features` channels."""
+  common.check_positive_int(cfg.num_heads, "num_heads")
+  for name in ("num_kv_heads", "head_dim", "window"):
+    if getattr(cfg, name) is not None:
+      common.check_positive_int(getattr(cfg, name), name)
+  common.check_positive_int(cfg.cache_size, "cache_size")
+  heads, kv, head_dim = _heads(cfg, features)
+  if heads % kv:
+    raise ValueError(f"`num_kv_heads`={kv} must divide `num_heads`={heads}.")
+  if cfg.head_dim is None and features % heads:
+    raise ValueError(f"`num_heads`={heads} must divide the width {features}, or set `head_dim`.")
+  if not 0 <= cfg.rope_fraction <= 1:
+    raise ValueError(f"`rope_fraction` must lie in [0, 1], got {cfg.rope_fraction}.")
+  if not cfg.rope_base > 0:
+    raise ValueError(f"`rope_base` must be > 0, got {cfg.rope_base}.")
+  if cfg.logit_cap is not None and not cfg.logit_cap > 0:
+    raise ValueError(f"`logit_cap` must be > 0 or None, got {cfg.logit_cap}.")
+  lecun = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+  specs = {}
+  for name, width in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
+    specs[f"{name}_proj"] = ParamSpec((features, width), lecun)
+    if cfg.use_bias:
+      specs[f"{name}_bias"] = ParamSpec((width,), nn.initializers.zeros)
+  specs["o_proj"] = ParamSpec((heads * head_dim, features), lecun)
+  if cfg.use_bias:
+    specs["o_bias"] = ParamSpec((features,), nn.initializers.zeros)
+  if cfg.qk_norm:
+    specs["q_norm"] = ParamSpec((head_dim,), nn.initializers.ones)
+    specs["k_norm"] = ParamSpec((head_dim,), nn.initializers.ones)
+  return specs
+
+
+def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> AttentionState:
+  """An empty cache for inputs `(*batch, H)`."""
+  *batch, features = input_shape
+  _, kv, head_dim = _heads(cfg, features)
+  entries = (*batch, capacity(cfg), kv, head_dim)
+  return AttentionState(jnp.zeros(entries, jnp.float32), jnp.zeros(entries, jnp.float32),
+                        jnp.zeros((*batch, capacity(cfg)), bool), jnp.zeros(tuple(batch), jnp.int32))
+
+
+def rotary(x: Array, positions: Array, width: int, base: float) -> Array:
+  """Rotary position embedding of the first `width` channels of `x` `(B, T, heads, D)`.
+
+  Channel i < width / 2 pairs with channel i + width / 2 and the pair turns by
+  positions * base^(-2 i / width) (the "rotate half" layout of transformers and
+  recurrentgemma); the channels from `width` on are left as they are.
+  """
+  half = width // 2
+  if half == 0:
+    return x
+  frequencies = base ** (-2.0 * np.arange(half) / width)
+  angle = positions[..., None, None].astype(jnp.float32) * common.leading_ones(
+      jnp.asarray(frequencies, jnp.float32), positions.ndim + 2)
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  first, second = x[..., :half], x[..., half:width]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin, x[..., width:]],
+                         axis=-1)
+
+
+def _attend(cfg: Any, q: Array, k: Array, v: Array, mask: Array) -> Array:
+  """softmax(q k^T / sqrt(D) [soft-capped], masked) v for `(B, T, N, D)` queries, `(B, S, K, D)`
+  keys and values and a `(B, T, S)` mask in which every query sees at least one key."""
+  if cfg.logit_cap is None and q.dtype != jnp.float64:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+  # Soft-capping has no argument in jax.nn.dot_product_attention, and it takes the softmax in
+  # float32 whatever the inputs: here the logits are formed in the inputs' dtype.
+  groups = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k) / math.sqrt(q.shape[-1])
+  if cfg.logit_cap is not None:
+    logits = cfg.logit_cap * jnp.tanh(logits / cfg.logit_cap)
+  weights = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+  return jnp.einsum("bnts,bsnd->btnd", weights, v)
+
+
+class _Keys(NamedTuple):
+  """What a query needs of every key `(B, S, ...)`: its step, document and whether it is valid."""
+
+  k: Array
+  v: Array
+  step: Array  # (S,) int32: the step index, negative for the cache's entries
+  document: Array  # (B, S) int32: the number of resets before it (0 for the cache)
+  valid: Array  # (B, S) bool
+
+
+def _blockwise(cfg: Any, q: Array, document: Array, keys: _Keys) -> Array:
+  """Attention of `(B, T, N, D)` queries at steps 0..T-1 over `keys`, block by block."""
+  length = q.shape[1]
+  block = min(length, BLOCK)
+  count = -(-length // block)
+  span = keys.k.shape[1]
+  if cfg.window is not None:  # a block of queries reaches back window - 1 steps at most
+    span = min(span, block + cfg.window - 1)
+  pad = count * block - length
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  document = jnp.pad(document, ((0, 0), (0, pad)), constant_values=-1)
+
+  def one(start: Array) -> Array:
+    steps = start + jnp.arange(block)
+    first = jnp.clip(start + block - span + (keys.k.shape[1] - length), 0, keys.k.shape[1] - span)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, span, axis=1)
+    key_step = jax.lax.dynamic_slice_in_dim(keys.step, first, span)
+    doc = jax.lax.dynamic_slice_in_dim(document, start, block, axis=1)
+    mask = take(keys.valid)[:, None, :] & (take(keys.document)[:, None, :] == doc[:, :, None])
+    mask = mask & (key_step[None, None, :] <= steps[None, :, None])
+    if cfg.window is not None:
+      mask = mask & (key_step[None, None, :] > steps[None, :, None] - cfg.window)
+    # Padding queries (document -1) see no key: give them their own step so no row is empty.
+    mask = mask | ((doc < 0)[:, :, None] & (key_step == key_step[-1])[None, None, :])
+    return _attend(cfg, jax.lax.dynamic_slice_in_dim(q, start, block, axis=1), take(keys.k),
+                   take(keys.v), mask)
+
+  if count == 1:
+    return one(jnp.int32(0))[:, :length]
+  out = jax.lax.map(jax.checkpoint(one), jnp.arange(count, dtype=jnp.int32) * block)
+  out = jnp.moveaxis(out, 0, 1).reshape((q.shape[0], count * block, *q.shape[2:]))
+  return out[:, :length]
+
+
+def _clean(x: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
+  """`x` with non-finite entries zeroed, and flags of the steps that had one."""
+  finite = jnp.isfinite(x)
+  return jnp.where(finite, x, 0), ~jnp.all(finite, axis=axes)
+
+
+def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
+             initial_state: AttentionState | None = None) -> tuple[Array, AttentionState]:
+  """Attention over `(..., T, H)` inputs (`mode` unused: one form): `(y, cache after the last step)`."""
+  del mode
+  *batch, length, features = x.shape
+  heads, kv, head_dim = _heads(cfg, features)
+  size = capacity(cfg)
+  rows = math.prod(batch)
+  state = functional.starting_state(initialize_state, cfg, x, initial_state)
+  state = jax.tree.map(lambda s: s.reshape((rows, *s.shape[len(batch):])), state)
+  if length == 0:
+    unflat = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), state)
+    return jnp.zeros(x.shape, x.dtype), unflat
+  xf = x.astype(accumulation_dtype(x.dtype)).reshape(rows, length, features)
+  reset = jnp.zeros((rows, length), bool) if reset is None else reset.reshape(rows, length)
+
+  def project(name: str, count: int) -> Array:
+    y = xf @ params[f"{name}_proj"]
+    if f"{name}_bias" in params:
+      y = y + common.leading_ones(params[f"{name}_bias"], y.ndim)
+    return y.reshape(rows, length, count, head_dim)
+
+  q, k, v = project("q", heads), project("k", kv), project("v", kv)
+  if cfg.qk_norm:
+    q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
+  step = jnp.arange(length, dtype=jnp.int32)
+  document = jnp.cumsum(reset, axis=-1, dtype=jnp.int32)
+  last_reset = jax.lax.cummax(jnp.where(reset, step[None], -1), axis=1)
+  positions = jnp.where(last_reset >= 0, step[None] - last_reset, state.position[:, None] + step[None])
+  width = _rotary_width(cfg, head_dim)
+  q, k = rotary(q, positions, width, cfg.rope_base), rotary(k, positions, width, cfg.rope_base)
+
+  # The cache's entries precede the sequence; without a given state there are none to read.
+  if initial_state is None:
+    keys = _Keys(k, v, step, document, jnp.ones((rows, length), bool))
+  else:
+    keys = _Keys(jnp.concatenate([state.k, k], axis=1), jnp.concatenate([state.v, v], axis=1),
+                 jnp.arange(-size, length, dtype=jnp.int32),
+                 jnp.concatenate([jnp.zeros((rows, size), jnp.int32), document], axis=1),
+                 jnp.concatenate([state.valid, jnp.ones((rows, length), bool)], axis=1))
+  # A non-finite query, key or value is zeroed before the products, and the outputs that read
+  # it are set to NaN after: inside a product, a masked NaN would meet its zero weight as
+  # 0 * NaN and reach every query, values and gradients.
+  q_clean, bad_query = _clean(q, (2, 3))
+  k_clean, bad_k = _clean(keys.k, (2, 3))
+  v_clean, bad_v = _clean(keys.v, (2, 3))
+  flagged = (bad_k | bad_v) & keys.valid
+  cached = None if initial_state is None else flagged[:, :size]
+  poisoned = bad_query | _reads(cfg, last_reset, flagged[:, -length:], cached)
+  out = _blockwise(cfg, q_clean, document, keys._replace(k=k_clean, v=v_clean))
+  out = jnp.where(poisoned[..., None, None], jnp.nan, out)
+  y = out.reshape(rows, length, heads * head_dim) @ params["o_proj"]
+  if "o_bias" in params:
+    y = y + common.leading_ones(params["o_bias"], y.ndim)
+
+  # The cache after the last step: its last `size` steps, valid where in the last document.
+  last_doc = document[:, -1:]
+  stored_k = jnp.concatenate([state.k, k], axis=1)[:, length:]
+  stored_v = jnp.concatenate([state.v, v], axis=1)[:, length:]
+  kept = state.valid & (last_doc == 0)
+  valid = jnp.concatenate([kept, document == last_doc], axis=1)[:, length:]
+  final = AttentionState(stored_k, stored_v, valid, positions[:, -1] + 1)
+  final = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), final)
+  return y.reshape(*batch, length, features).astype(x.dtype), final
+
+
+def _reads(cfg: Any, last_reset: Array, flagged: Array, flagged_cache: Array | None) -> Array:
+  """`(B, T)`: the queries that attend to a flagged key, in O(T) memory.
+
+  Args:
+    cfg: the layer's configuration (its `window`).
+    last_reset: `(B, T)` the step of the last reset at or before each step, -1 if none.
+    flagged: `(B, T)` the sequence's flagged keys.
+    flagged_cache: `(B, C)` the cache's flagged valid entries (steps -C..-1), or None.
+  """
+  lowest = jnp.iinfo(jnp.int32).min
+  step = jnp.arange(flagged.shape[1], dtype=jnp.int32)
+  # The latest flagged key at or before each query, counted while in the query's document.
+  latest = jax.lax.cummax(jnp.where(flagged, step[None], lowest), axis=1)
+  latest = jnp.where(latest >= last_reset, latest, lowest)
+  if flagged_cache is not None:
+    cache_step = jnp.arange(-flagged_cache.shape[1], 0, dtype=jnp.int32)
+    cached = jnp.max(jnp.where(flagged_cache, cache_step[None], lowest), axis=1, initial=lowest)
+    latest = jnp.maximum(latest, jnp.where(last_reset < 0, cached[:, None], lowest))
+  reached = latest > lowest
+  if cfg.window is not None:
+    reached = reached & (latest > step[None] - cfg.window)
+  return reached
+
+
+def step(cfg: Any, params: dict[str, Array], state: AttentionState, x_t: Array,
+         reset: Array | None = None) -> tuple[AttentionState, Array]:
+  """One decoding step on `(*batch, H)` inputs: `(cache, y_t)`."""
+  return functional.one_step(sequence, cfg, params, state, x_t, reset)
+
+
+class Attention(functional.LinenLayer):
+  """Causal multi-head self-attention with grouped key/value heads and rotary positions.
+
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. Per step, queries of `num_heads` heads and
+  keys and values of `num_kv_heads` heads (MHA when equal, GQA when fewer, MQA with one) of
+  `head_dim` channels are projected from the input (with biases if `use_bias`), optionally
+  RMS-normalised per head (`qk_norm`), and the first `rope_fraction` of each head's channels
+  turn by rotary position embeddings of base `rope_base` (RecurrentGemma rotates half). Step t
+  attends to steps s <= t of its document, within the last `window` steps if `window` is set
+  (local attention), with logits q.k / sqrt(head_dim), soft-capped to
+  `logit_cap` * tanh(logit / `logit_cap`) if set. `jax.nn.dot_product_attention` computes it
+  (cuDNN's fused kernels on NVIDIA GPUs, XLA elsewhere; soft-capping, which it does not take,
+  and float64, which it would round to a float32 softmax, form the logits here), block by
+  block of 512 queries, so that memory holds 512 x keys logits at a time; a window limits
+  the keys of a block to 512 + window - 1.
+
+  `reset` starts a document, as for the recurrent layers: no step at or after a reset attends
+  to a step before it, and rotary positions restart at 0 there, so packed documents give each
+  document's own outputs. `mode` is accepted and unused (attention has one form).
+
+  The state is an `AttentionState`: the keys and values of the last `window` steps (local
+  attention) or `cache_size` steps (global), so its shape never changes and decoding with
+  `step` compiles once. Global attention decodes exactly for documents of up to `cache_size`
+  steps; past that the oldest keys leave the cache (a sliding window of `cache_size`).
+  `initial_state` and `return_state` continue a sequence from a prefill. A NaN or Inf in a
+  step's input reaches the outputs that attend to it and nothing else, gradients included.
+
+  Attributes:
+    num_heads: query heads.
+    num_kv_heads: key/value heads, dividing `num_heads`; None: `num_heads`.
+    head_dim: channels per head; None: H / `num_heads`.
+    rope_base: the rotary embedding's base (its longest wavelength over 2 pi).
+    rope_fraction: the fraction of each head's channels that rotate (0: no positions).
+    window: local attention over this many steps (the step itself included); None: global.
+    cache_size: the decoding cache of global attention, in steps.
+    qk_norm: RMS-normalise queries and keys per head, with learned scales.
+    logit_cap: soft cap of the logits; None: none.
+    use_bias: biases on the four projections.
+    param_dtype: dtype of the parameters.
+
+  References:
+    Vaswani et al., "Attention is all you need", 2017; Su et al., "RoFormer: enhanced
+    transformer with rotary position embedding", 2021; Ainslie et al., "GQA", 2023; De et al.,
+    "Griffin", 2024 (local attention, partial rotary, logit soft-capping).
+  """
+
+  num_heads: int = 4
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  rope_base: float = 10_000.0
+  rope_fraction: float = 1.0
+  window: int | None = None
+  cache_size: int = 2048
+  qk_norm: bool = False
+  logit_cap: float | None = None
+  use_bias: bool = False
+  param_dtype: jnp.dtype = jnp.float32
+
+  parameter_groups = common.ParameterGroups(no_decay=frozenset(
+      {"q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"}))
+  maths = functional.Maths(param_specs, sequence, step, initialize_state)

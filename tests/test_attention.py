@@ -1,0 +1,151 @@
+"""`Attention` against a float64 NumPy loop written from the definitions: grouped heads,
+windows, partial rotary positions, soft-capping, document resets, and the key/value cache."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import compiled
+from ssmkit import layers
+from ssmkit._src.layers import attention
+
+
+def _rms(x, scale):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+
+def _rotate(x, position, width, base):
+  """The first `width` channels of `x` `(heads, D)` turned: channel i with i + width / 2."""
+  half = width // 2
+  out = x.copy()
+  for i in range(half):
+    angle = position * base ** (-2.0 * i / width)
+    a, b = x[:, i], x[:, i + half]
+    out[:, i] = a * np.cos(angle) - b * np.sin(angle)
+    out[:, i + half] = b * np.cos(angle) + a * np.sin(angle)
+  return out
+
+
+def _reference(layer, params, x, reset):
+  """Causal attention over `(T, F)` inputs, one query at a time, in float64."""
+  p = {name: np.asarray(value, np.float64) for name, value in params["params"].items()}
+  length, features = x.shape
+  heads = layer.num_heads
+  kv = layer.num_kv_heads or heads
+  head_dim = layer.head_dim or features // heads
+  width = int(head_dim * layer.rope_fraction) // 2 * 2
+
+  def project(name, count):
+    y = x @ p[f"{name}_proj"] + p.get(f"{name}_bias", 0.0)
+    return y.reshape(length, count, head_dim)
+
+  q, k, v = project("q", heads), project("k", kv), project("v", kv)
+  if layer.qk_norm:
+    q, k = _rms(q, p["q_norm"]), _rms(k, p["k_norm"])
+  starts = [max([s for s in range(t + 1) if reset[s]], default=0) for t in range(length)]
+  for t in range(length):
+    q[t] = _rotate(q[t], t - starts[t], width, layer.rope_base)
+    k[t] = _rotate(k[t], t - starts[t], width, layer.rope_base)
+  out = np.zeros((length, heads, head_dim))
+  for t in range(length):
+    first = starts[t] if layer.window is None else max(starts[t], t - layer.window + 1)
+    for n in range(heads):
+      group = n // (heads // kv)
+      logits = k[first:t + 1, group] @ q[t, n] / np.sqrt(head_dim)
+      if layer.logit_cap is not None:
+        logits = layer.logit_cap * np.tanh(logits / layer.logit_cap)
+      weights = np.exp(logits - logits.max())
+      out[t, n] = weights / weights.sum() @ v[first:t + 1, group]
+  return out.reshape(length, heads * head_dim) @ p["o_proj"] + p.get("o_bias", 0.0)
+
+
+CONFIGS = {
+    "gqa-window-partial-rotary": dict(num_heads=4, num_kv_heads=2, head_dim=6, window=7,
+                                      rope_fraction=0.5, rope_base=100.0),
+    "mha-global-qk-norm-cap-bias": dict(num_heads=2, head_dim=4, qk_norm=True, logit_cap=2.0,
+                                        use_bias=True),
+    "mqa-no-rotary-window-one": dict(num_heads=3, num_kv_heads=1, head_dim=2, window=1,
+                                     rope_fraction=0.0),
+}
+
+
+def _x(shape, seed=0):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _assert_close(actual, expected, rtol=1e-5):
+  scale = float(np.max(np.abs(expected)))
+  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_the_float64_loop_with_resets(name):
+  layer = layers.Attention(**CONFIGS[name])
+  x = _x((2, 23, 6))
+  reset = np.random.default_rng(1).uniform(size=(2, 23)) < 0.15
+  params = compiled.init(layer, x.shape, 2)
+  params = jax.tree.map(lambda v: 2 * v, params)  # sharper attention than at initialisation
+  y = compiled.run(layer)(params, x, reset)
+  for row in range(2):
+    _assert_close(y[row], _reference(layer, params, np.asarray(x[row], np.float64), reset[row]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_documents_equal_each_document_alone(name):
+  layer = layers.Attention(**CONFIGS[name])
+  lengths = (5, 1, 11, 6)
+  x = _x((sum(lengths), 6), seed=3)
+  reset = np.zeros(sum(lengths), bool)
+  reset[np.cumsum((0, *lengths[:-1]))] = True
+  params = compiled.init(layer, x.shape, 4)
+  packed = compiled.run(layer)(params, x, reset)
+  start = 0
+  for length in lengths:
+    alone = layer.apply(params, x[start:start + length])
+    _assert_close(packed[start:start + length], np.asarray(alone, np.float64))
+    start += length
+
+
+def test_long_sequences_attend_block_by_block(monkeypatch):
+  """Blocks of 8 queries (the layer's are 512) over 29 steps, local and global, with resets."""
+  monkeypatch.setattr(attention, "BLOCK", 8)
+  x = _x((29, 6), seed=5)
+  reset = np.zeros(29, bool)
+  reset[[0, 12, 13]] = True
+  for name in ("gqa-window-partial-rotary", "mha-global-qk-norm-cap-bias"):
+    layer = layers.Attention(**CONFIGS[name])
+    params = compiled.init(layer, x.shape, 6)
+    y = jax.jit(functools.partial(layer.apply, reset=reset))(params, x)
+    _assert_close(y, _reference(layer, params, np.asarray(x, np.float64), reset))
+
+
+def test_decoding_past_the_window_and_from_a_prefill_equals_one_pass():
+  layer = layers.Attention(**CONFIGS["gqa-window-partial-rotary"])
+  x = _x((2, 20, 6), seed=7)
+  reset = np.zeros((2, 20), bool)
+  reset[1, 9] = True
+  params = compiled.init(layer, x.shape, 8)
+  whole = compiled.run(layer)(params, x, reset)
+  y, state = compiled.run(layer, return_state=True)(params, x[:, :12], reset[:, :12])
+  assert state.k.shape == (2, 7, 2, 6)  # the window's capacity, whatever the length
+  step = compiled.run(layer, method="step")
+  for t in range(12, 20):
+    state, y_t = step(params, state, x[:, t], reset[:, t])
+    _assert_close(y_t, np.asarray(whole[:, t], np.float64))
+  _assert_close(y, np.asarray(whole[:, :12], np.float64))
+
+
+def test_bad_options_are_named():
+  x = _x((2, 5, 6))
+  for options, match in [
+      (dict(num_heads=4, num_kv_heads=3, head_dim=2), "`num_kv_heads`=3 must divide"),
+      (dict(num_heads=4), "`num_heads`=4 must divide the width 6"),
+      (dict(num_heads=2, window=0), "`window` must be a positive int"),
+      (dict(num_heads=2, rope_fraction=1.5), "`rope_fraction`"),
+      (dict(num_heads=2, logit_cap=0.0), "`logit_cap`"),
+      (dict(num_heads=2, cache_size=0), "`cache_size` must be a positive int"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      layers.Attention(**options).init(jax.random.key(0), x)
