@@ -7,6 +7,7 @@ few seconds, mostly compilation. Runs are shared by the tests of a module-scoped
 
 import ast
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -34,7 +35,6 @@ TINY = (
     "data.batch_size=16",  # 40 test sequences: the last eval batch is half padding
     "model.num_blocks=1",
     "model.features=16",
-    "model.layer_kwargs.d_state=8",
     "optimizer.warmup_steps=0",
     "optimizer.learning_rate=0.01",
     f"train.steps={STEPS}",
@@ -375,7 +375,6 @@ SMALL_MODEL = (
     "data.batch_size=16",
     "model.num_blocks=1",
     "model.features=16",
-    "model.layer_kwargs.d_state=8",
     "optimizer.warmup_steps=0",
     "optimizer.learning_rate=0.01",
     "optimizer.ssm_learning_rate=0.01",
@@ -389,8 +388,11 @@ SMALL_MODEL = (
 # mnist1d_lru's tiny variant is the run of the `uninterrupted` fixture below.
 @pytest.mark.parametrize("name", sorted(set(train.shipped_configs("supervised")) - {"mnist1d_lru"}))
 def test_every_shipped_config_trains_in_its_tiny_variant(name, tmp_path, capsys):
-  dataset = train.load_config(name).data.name
-  overrides = [*SMALL_DATA[dataset], *SMALL_MODEL]
+  config = train.load_config(name)
+  layer = LAYERS[config.model.layer].layer
+  sized = {f.name for f in dataclasses.fields(layer)} & {"d_state"}
+  overrides = [*SMALL_DATA[config.data.name], *SMALL_MODEL,
+               *(f"model.layer_kwargs.{option}=8" for option in sized)]
   with jax.enable_x64(False):
     assert cli.main(["train", name, "--workdir", str(tmp_path), *overrides]) == 0
   summary = json.loads((tmp_path / "summary.json").read_text())
