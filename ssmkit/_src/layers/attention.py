@@ -219,11 +219,11 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   q, k = rotary(q, positions, width, cfg.rope_base), rotary(k, positions, width, cfg.rope_base)
 
   # The cache's entries precede the sequence; without a given state there are none to read.
+  cache_k, cache_v = jnp.concatenate([state.k, k], axis=1), jnp.concatenate([state.v, v], axis=1)
   if initial_state is None:
     keys = _Keys(k, v, step, document, jnp.ones((rows, length), bool))
   else:
-    keys = _Keys(jnp.concatenate([state.k, k], axis=1), jnp.concatenate([state.v, v], axis=1),
-                 jnp.arange(-size, length, dtype=jnp.int32),
+    keys = _Keys(cache_k, cache_v, jnp.arange(-size, length, dtype=jnp.int32),
                  jnp.concatenate([jnp.zeros((rows, size), jnp.int32), document], axis=1),
                  jnp.concatenate([state.valid, jnp.ones((rows, length), bool)], axis=1))
   # A non-finite query, key or value is zeroed before the products, and the outputs that read
@@ -243,11 +243,9 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
 
   # The cache after the last step: its last `size` steps, valid where in the last document.
   last_doc = document[:, -1:]
-  stored_k = jnp.concatenate([state.k, k], axis=1)[:, length:]
-  stored_v = jnp.concatenate([state.v, v], axis=1)[:, length:]
   kept = state.valid & (last_doc == 0)
   valid = jnp.concatenate([kept, document == last_doc], axis=1)[:, length:]
-  final = AttentionState(stored_k, stored_v, valid, positions[:, -1] + 1)
+  final = AttentionState(cache_k[:, length:], cache_v[:, length:], valid, positions[:, -1] + 1)
   final = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), final)
   return y.reshape(*batch, length, features).astype(x.dtype), final
 
