@@ -1,7 +1,7 @@
 """Flax linen SSM layers with whole-sequence and step-by-step modes that agree."""
 
 from ssmkit._src.layers.attention import Attention, AttentionState
-from ssmkit._src.layers.block import SSMBlock
+from ssmkit._src.layers.block import MixerBlock, SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.lru import LRU
@@ -25,6 +25,7 @@ __all__ = [
     "Mamba",
     "Mamba2",
     "MinGRU",
+    "MixerBlock",
     "RGLRUState",
     "SSMBlock",
     "SequenceModel",

@@ -1,4 +1,4 @@
-"""Every SSM layer, `SSMBlock` and `SequenceModel` as a Flax NNX module, with the linen modules' maths.
+"""Every layer, block and `SequenceModel` as a Flax NNX module, with the linen modules' maths.
 
     layer = ssmkit.nnx.LRU(features, d_state=64, rngs=nnx.Rngs(0))
     y = layer(x, reset=done)                                  # x: (..., T, features)
@@ -6,7 +6,7 @@
     model = ssmkit.nnx.from_linen(linen_module, variables)   # and back: ssmkit.nnx.to_linen(model)
 """
 
-from ssmkit._src.nnx.block import SSMBlock
+from ssmkit._src.nnx.block import MixerBlock, SSMBlock
 from ssmkit._src.nnx.convert import from_linen, to_linen
 from ssmkit._src.nnx.layers import (
     LRU,
@@ -34,6 +34,7 @@ __all__ = [
     "Mamba",
     "Mamba2",
     "MinGRU",
+    "MixerBlock",
     "SSMBlock",
     "SequenceModel",
     "from_linen",

@@ -1,4 +1,4 @@
-"""The residual block every SSM model stacks: norm, SSM layer, activation or GLU, dropout, residual."""
+"""The residual blocks a model stacks: the S5-style `SSMBlock` and the transformer-style `MixerBlock`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ ModuleDef = Callable[..., nn.Module]
 
 NORMS = ("layer", "batch", "rms")
 ACTIVATIONS = ("gelu", "glu", "half_glu")
+MLPS = ("none", "gelu", "geglu", "swiglu")
+# The activation of each MLP; the gated ones multiply it by a second projection.
+_MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu": jax.nn.gelu, "geglu": jax.nn.gelu, "swiglu": jax.nn.silu}
 
 
 def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
@@ -80,6 +84,50 @@ def residual(x: Array, mask: Array | None, ssm: Callable[[Array], tuple[Any, Arr
   return state, y if prenorm else norm(y)
 
 
+def mlp_width(features: int, expansion: float) -> int:
+  """The hidden width of a block's MLP: `expansion * features`, rounded, at least 1."""
+  return max(1, round(expansion * features))
+
+
+def feed_forward(x: Array, kind: str, *, up: Callable[[Array], Array],
+                 gate: Callable[[Array], Array] | None, down: Callable[[Array], Array]) -> Array:
+  """The MLP `kind` of `MLPS` (not "none"): down(gelu(up(x))), or down(act(gate(x)) * up(x))
+  with GELU ("geglu") or SiLU ("swiglu"); `gate` is None for "gelu"."""
+  activation = _MLP_ACTIVATIONS[kind]
+  hidden = activation(up(x)) if gate is None else activation(gate(x)) * up(x)
+  return down(hidden)
+
+
+def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[Any, Array]], *,
+                   norm: Callable[[Array], Array], dropout: Callable[[Array], Array],
+                   mlp_norm: Callable[[Array], Array] | None,
+                   mlp: Callable[[Array], Array] | None) -> tuple[Any, Array]:
+  """The transformer-style block from its parts, as both front ends compose it.
+
+  h = x + dropout(mixer(norm(x))); y = h + dropout(mlp(mlp_norm(h))), or y = h without an MLP.
+
+  Args:
+    x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
+    mask: optional `x.shape[:-1]` booleans, True on real steps: the mixer sees zeros elsewhere.
+    mixer: the sequence layer, `mixer(u) -> (state, y)` (see `run_layer`).
+    norm: the normalisation before the mixer.
+    dropout: the dropout (the identity at inference).
+    mlp_norm: the normalisation before the MLP, or None without one.
+    mlp: the MLP (see `feed_forward`), or None.
+
+  Returns:
+    `(state, y)`: the mixer's state and the outputs, of `x`'s shape and dtype.
+  """
+  h = norm(x)
+  if mask is not None:
+    h = jnp.where(mask[..., None], h, jnp.zeros_like(h))
+  state, h = mixer(h)
+  x = x + dropout(h).astype(x.dtype)
+  if mlp is not None:
+    x = x + dropout(mlp(mlp_norm(x))).astype(x.dtype)
+  return state, x
+
+
 class Norm(nn.Module):
   """LayerNorm, RMSNorm or BatchNorm over the feature axis; BatchNorm skips masked steps.
 
@@ -99,7 +147,56 @@ class Norm(nn.Module):
     return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=expand_mask(mask, x))
 
 
-class SSMBlock(nn.Module):
+class _Block(nn.Module):
+  """What every block offers around its carry-first `forward`: sequences, zero state, one step."""
+
+  layer: ModuleDef = LRU
+
+  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
+               train: bool = False) -> Array | tuple[Array, Any]:
+    """Runs the block over a whole sequence.
+
+    Args:
+      x: `(..., T, H)` inputs.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
+      reset: optional `(..., T)` booleans; True clears the layer's state before that step.
+      initial_state: optional layer state to start from, as `step` makes it; default zeros.
+      return_state: also return the layer's state after the last step (padding included).
+      mode: scan mode of the layer.
+      train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
+        `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
+
+    Returns:
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
+    """
+    x, reset = common.check_sequence(x, reset)
+    mask = check_mask(mask, x)
+    state, y = self.forward(x, mask, reset, initial_state, single_step=False,
+                            return_state=return_state, mode=mode, train=train)
+    return (y, state) if return_state else y
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
+    """The layer's zero state for inputs `(*batch, H)` of one step."""
+    return self.layer(parent=None).initialize_state(input_shape)
+
+  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+    """Advances one step at inference (dropout off, BatchNorm on running averages).
+
+    Args:
+      state: the layer's state.
+      x_t: `(*batch, H)` input of this step.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
+    """
+    x_t, reset = common.check_step(x_t, reset)
+    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
+                        train=False)
+
+
+class SSMBlock(_Block):
   """x + dropout(activation(ssm(norm(x)))), with norm after the residual when `prenorm` is False.
 
   Inputs `(..., T, H)` give outputs `(..., T, H)`. The activation is GELU, or GELU followed by a
@@ -119,7 +216,6 @@ class SSMBlock(nn.Module):
     Orvieto et al., "Resurrecting Recurrent Neural Networks for Long Sequences", ICML 2023.
   """
 
-  layer: ModuleDef = LRU
   norm: str = "layer"
   activation: str = "glu"
   dropout_rate: float = 0.0
@@ -152,48 +248,57 @@ class SSMBlock(nn.Module):
         gate=nn.Dense(width, name="glu_gate") if self.activation != "gelu" else None,
         prenorm=self.prenorm)
 
-  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
-               train: bool = False) -> Array | tuple[Array, Any]:
-    """Runs the block over a whole sequence.
 
-    Args:
-      x: `(..., T, H)` inputs.
-      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
-      reset: optional `(..., T)` booleans; True clears the SSM state before that step.
-      initial_state: optional SSM state to start from, as `step` makes it; default zeros.
-      return_state: also return the SSM state after the last step (padding included).
-      mode: scan mode of the SSM layer.
-      train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
-        `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
+class MixerBlock(_Block):
+  """The pre-norm transformer block: h = x + mixer(norm(x)), then h + mlp(norm(h)).
 
-    Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
-    """
-    x, reset = common.check_sequence(x, reset)
-    mask = check_mask(mask, x)
-    state, y = self.forward(x, mask, reset, initial_state, single_step=False,
-                             return_state=return_state, mode=mode, train=train)
-    return (y, state) if return_state else y
+  Inputs `(..., T, H)` give outputs `(..., T, H)`. The mixer is any sequence layer, recurrent
+  or attention. Without an MLP (`mlp="none"`) this is the block of Mamba and Mamba-2 language
+  models; with one, of Griffin / RecurrentGemma ("geglu"), Jamba and Qwen3-Next ("swiglu").
+  `mask` marks real steps: the mixer sees zeros at padded steps.
 
-  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
-    """The SSM layer's zero state for inputs `(*batch, H)` of one step."""
-    return self.layer(parent=None).initialize_state(input_shape)
+  Attributes:
+    layer: factory of the mixer, e.g. `functools.partial(ssmkit.layers.Attention, window=64)`.
+    norm: "rms", "layer" or "batch", before the mixer and before the MLP.
+    mlp: "none", "gelu" (down(gelu(up x))), "geglu" (down(gelu(gate x) * up x)) or "swiglu"
+      (down(silu(gate x) * up x)); GELU is its tanh approximation.
+    mlp_expansion: the MLP's hidden width over the block's width.
+    mlp_bias: biases in the MLP's projections.
+    dropout_rate: dropout on the mixer's and the MLP's outputs, when `train`.
 
-  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
-    """Advances one step at inference (dropout off, BatchNorm on running averages).
+  References:
+    Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
+    De et al., "Griffin: Mixing Gated Linear Recurrences with Local Attention for Efficient
+    Language Models", 2024.
+  """
 
-    Args:
-      state: the SSM layer's state.
-      x_t: `(*batch, H)` input of this step.
-      reset: optional `(*batch,)` booleans; True clears the state before this step.
+  norm: str = "rms"
+  mlp: str = "none"
+  mlp_expansion: float = 4.0
+  mlp_bias: bool = False
+  dropout_rate: float = 0.0
 
-    Returns:
-      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
-    """
-    x_t, reset = common.check_step(x_t, reset)
-    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
-                         train=False)
+  @nn.compact
+  def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
+              return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (arguments as
+    `SSMBlock.forward`'s)."""
+    check_choice(self.mlp, MLPS, "mlp")
+    norm = Norm(self.norm, name="norm")
+    mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
+                              single_step=single_step, return_state=return_state, mode=mode)
+    mlp = mlp_norm = None
+    if self.mlp != "none":
+      mlp_norm = functools.partial(Norm(self.norm, name="mlp_norm"), mask=mask, train=train)
+      dense = functools.partial(nn.Dense, use_bias=self.mlp_bias)
+      hidden = mlp_width(x.shape[-1], self.mlp_expansion)
+      mlp = functools.partial(
+          feed_forward, kind=self.mlp, up=dense(hidden, name="mlp_up"),
+          gate=dense(hidden, name="mlp_gate") if self.mlp != "gelu" else None,
+          down=dense(x.shape[-1], name="mlp_down"))
+    return mixer_residual(x, mask, mixer, norm=lambda u: norm(u, mask, train=train),
+                          dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
+                          mlp_norm=mlp_norm, mlp=mlp)
 
 
 def check_mask(mask: Array | None, x: Array) -> Array | None:

@@ -1,4 +1,4 @@
-"""Stacked SSM models: encoder, residual blocks, pooling and decoder; causal generation."""
+"""Stacked sequence models: encoder, blocks of a layer pattern, pooling and decoder; generation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers import common
-from ssmkit._src.layers.block import ModuleDef, Norm, SSMBlock, check_choice, check_mask
+from ssmkit._src.layers.block import (
+    MLPS,
+    MixerBlock,
+    ModuleDef,
+    Norm,
+    SSMBlock,
+    check_choice,
+    check_mask,
+)
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.modes import Mode
 
@@ -21,99 +29,222 @@ Array = jax.Array
 POOLINGS = ("mean", "last", "none")
 
 
-class _ScannedBlock(nn.Module):
-  """One `SSMBlock` in the carry-first form `nn.scan` applies across stacked blocks."""
+BLOCKS = ("ssm", "mixer")
 
-  config: dict[str, Any]
+
+def layer_pattern(layer: Any) -> tuple[Callable[..., Any], ...]:
+  """The layer factories a model cycles over its blocks: `(layer,)` for one factory.
+
+  Raises:
+    ValueError: naming `layer` when it is neither a factory nor a non-empty sequence of them.
+  """
+  if callable(layer):
+    return (layer,)
+  if isinstance(layer, list | tuple) and layer and all(callable(make) for make in layer):
+    return tuple(layer)
+  raise ValueError("`layer` must be a layer factory or a non-empty sequence of them (a pattern "
+                   f"cycled over the blocks), got {layer!r}.")
+
+
+def check_model(model: Any) -> None:
+  """Checks the options of a `SequenceModel` of either front end against each other.
+
+  Raises:
+    ValueError: naming the option that does not fit.
+  """
+  check_choice(model.pooling, POOLINGS, "pooling")
+  check_choice(model.block, BLOCKS, "block")
+  check_choice(model.mlp, MLPS, "mlp")
+  common.check_positive_int(model.num_blocks, "num_blocks")
+  if model.block == "ssm" and model.mlp != "none":
+    raise ValueError(f"`mlp` needs block='mixer' (an SSMBlock has its `activation`), got "
+                     f"mlp={model.mlp!r} with block='ssm'.")
+  if model.block == "mixer" and not model.prenorm:
+    raise ValueError("block='mixer' is a pre-norm block: `prenorm` must be True.")
+  if model.tie_embeddings and (model.vocab_size is None or model.num_outputs != model.vocab_size):
+    raise ValueError("`tie_embeddings` needs token inputs with `num_outputs` equal to `vocab_size`, "
+                     f"got vocab_size={model.vocab_size!r}, num_outputs={model.num_outputs!r}.")
+  if model.scale_embeddings and model.vocab_size is None:
+    raise ValueError("`scale_embeddings` scales token embeddings: it needs `vocab_size`.")
+  if model.logit_cap is not None and not model.logit_cap > 0:
+    raise ValueError(f"`logit_cap` must be > 0 or None, got {model.logit_cap!r}.")
+  length = len(layer_pattern(model.layer))
+  if model.scan_blocks and model.num_blocks < length:
+    raise ValueError(f"`scan_blocks` needs `num_blocks` >= the length of the layer pattern, got "
+                     f"num_blocks={model.num_blocks} for a pattern of {length}.")
+
+
+def scanned_counts(model: Any) -> tuple[int, int]:
+  """`(repeats, rest)` of a model with `scan_blocks`: how many whole patterns the blocks hold,
+  and how many blocks of one more, partial, repeat follow them (the "tail")."""
+  return divmod(model.num_blocks, len(layer_pattern(model.layer)))
+
+
+def cap_logits(logits: Array, cap: float | None) -> Array:
+  """`cap * tanh(logits / cap)`, or `logits` when `cap` is None."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def stacked_state(states: tuple[Any, ...], count: int) -> Any:
+  """Each block state of `states` stacked `count` times on a new leading axis, as a scan holds it."""
+  return tuple(jax.tree.map(lambda s: jnp.stack([s] * count), state) for state in states)
+
+
+class _ScannedBlocks(nn.Module):
+  """One repeat of the layer pattern, carry first, as `nn.scan` applies it across repeats.
+
+  With one layer (not a pattern) the block is named "block" and its state is not a tuple.
+  """
+
+  blocks: tuple[ModuleDef, ...]
+  pattern: bool
   single_step: bool
   return_state: bool
   mode: str | Mode = "auto"
   train: bool = False
 
-  def setup(self) -> None:
-    self.block = SSMBlock(**self.config)
-
+  @nn.compact
   def __call__(self, x: Array, state: Any, mask: Array | None, reset: Array | None) -> tuple[Array, Any]:
-    state, x = self.block.forward(x, mask, reset, state, single_step=self.single_step,
-                                   return_state=self.return_state, mode=self.mode, train=self.train)
-    return x, state
+    flags = dict(single_step=self.single_step, return_state=self.return_state, mode=self.mode,
+                 train=self.train)
+    if not self.pattern:
+      state, x = self.blocks[0](name="block").forward(x, mask, reset, state, **flags)
+      return x, state
+    states = []
+    for j, make in enumerate(self.blocks):
+      block_state, x = make(name=f"block_{j}").forward(x, mask, reset,
+                                                       None if state is None else state[j], **flags)
+      states.append(block_state)
+    return x, tuple(states)
 
 
 class SequenceModel(nn.Module):
-  """Encoder, `num_blocks` residual `SSMBlock`s, final norm, pooling and a linear decoder.
+  """Encoder, `num_blocks` residual blocks, final norm, pooling and a linear decoder.
 
   Real inputs `(..., T, F)` are encoded by a Dense layer, token inputs `(..., T)` (int) by an
   embedding when `vocab_size` is set. With pooling "mean" or "last" the model classifies whole
   sequences, `(..., num_outputs)`; with "none" it returns per-step outputs `(..., T, num_outputs)`,
-  causal when the SSM layer is, and `step` runs it one step at a time (see `generate`).
+  causal when the layers are, and `step` runs it one step at a time (see `generate`).
+
+  `layer` is one layer factory, or a pattern of them cycled over the blocks: Griffin's
+  `[rglru, rglru, local_attention]` puts attention in every third block (26 blocks: 8 whole
+  patterns and two recurrent blocks). The state (`initialize_state`, `return_state`, `step`)
+  holds every block's: recurrent states and attention caches in one pytree.
 
   Attributes:
     num_outputs: classes, or the output vocabulary of a language model.
-    layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.layers.S5, d_state=32)`.
+    layer: factory of the sequence layer, e.g. `functools.partial(ssmkit.layers.S5, d_state=32)`,
+      or a sequence of factories cycled over the blocks.
     features: model width H.
     num_blocks: number of residual blocks.
     vocab_size: input vocabulary for token inputs; None for real-valued inputs.
     pooling: "mean" or "last" over the real steps of `mask`, or "none".
-    norm: "layer", "batch" or "rms" (see `SSMBlock`).
-    activation: "gelu", "glu" or "half_glu" (see `SSMBlock`).
+    block: "ssm" (`SSMBlock`: norm, layer, activation or GLU, residual) or "mixer"
+      (`MixerBlock`: pre-norm, layer, residual, then an optional pre-norm MLP and residual).
+    norm: "layer", "batch" or "rms", in the blocks and after them.
+    activation: "gelu", "glu" or "half_glu" (block "ssm", see `SSMBlock`).
+    mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer", see `MixerBlock`).
+    mlp_expansion: the MLP's hidden width over `features` (block "mixer").
+    mlp_bias: biases in the MLP's projections (block "mixer").
     dropout_rate: dropout inside the blocks when `train`.
-    prenorm: normalise block inputs (True) or residual sums (False).
-    scan_blocks: apply the blocks with `nn.scan` over parameters stacked on a leading axis of
-      size `num_blocks`, so compile time does not grow with depth.
+    prenorm: normalise block inputs (True) or residual sums (False; block "ssm" only); a
+      pre-norm model normalises the last block's outputs.
+    scan_blocks: apply the blocks with `nn.scan` over parameters stacked on a leading axis, so
+      compile time does not grow with depth: one scan over the whole repeats of the layer
+      pattern ("blocks", one stacked block per pattern position) and, when `num_blocks` is not
+      a multiple of the pattern's length, one of length 1 over the blocks left ("tail").
+    tie_embeddings: decode with the transposed token embedding (needs `vocab_size` equal to
+      `num_outputs`); no separate decoder.
+    scale_embeddings: multiply token embeddings by sqrt(`features`) (Gemma, RecurrentGemma).
+    logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
   """
 
   num_outputs: int
-  layer: ModuleDef = LRU
+  layer: ModuleDef | tuple[ModuleDef, ...] = LRU
   features: int = 64
   num_blocks: int = 2
   vocab_size: int | None = None
   pooling: str = "mean"
+  block: str = "ssm"
   norm: str = "layer"
   activation: str = "glu"
+  mlp: str = "none"
+  mlp_expansion: float = 4.0
+  mlp_bias: bool = False
   dropout_rate: float = 0.0
   prenorm: bool = True
   scan_blocks: bool = False
+  tie_embeddings: bool = False
+  scale_embeddings: bool = False
+  logit_cap: float | None = None
 
-  def _block_config(self) -> dict[str, Any]:
-    return dict(layer=self.layer, norm=self.norm, activation=self.activation,
-                dropout_rate=self.dropout_rate, prenorm=self.prenorm)
+  def __post_init__(self) -> None:
+    if isinstance(self.layer, list):  # a list would make the module unhashable (`generate` hashes it)
+      object.__setattr__(self, "layer", tuple(self.layer))
+    super().__post_init__()
 
-  def _scanned(self, **flags: Any) -> nn.Module:
+  def _blocks(self) -> tuple[ModuleDef, ...]:
+    """One block factory per position of the layer pattern."""
+    if self.block == "ssm":
+      options = dict(norm=self.norm, activation=self.activation, dropout_rate=self.dropout_rate,
+                     prenorm=self.prenorm)
+      return tuple(functools.partial(SSMBlock, layer=make, **options)
+                   for make in layer_pattern(self.layer))
+    options = dict(norm=self.norm, mlp=self.mlp, mlp_expansion=self.mlp_expansion,
+                   mlp_bias=self.mlp_bias, dropout_rate=self.dropout_rate)
+    return tuple(functools.partial(MixerBlock, layer=make, **options)
+                 for make in layer_pattern(self.layer))
+
+  def _scanned(self, blocks: tuple[ModuleDef, ...], length: int, name: str, **flags: Any) -> nn.Module:
     scan = nn.scan(
-        _ScannedBlock,
+        _ScannedBlocks,
         variable_axes={"params": 0, "batch_stats": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast, nn.broadcast),
-        length=self.num_blocks,
+        length=length,
     )
-    return scan(self._block_config(), **flags, name="blocks")
+    return scan(blocks, not callable(self.layer), **flags, name=name)
 
-  def _encode(self, x: Array) -> Array:
-    if self.vocab_size is None:
-      return nn.Dense(self.features, name="encoder")(x)
-    return nn.Embed(self.vocab_size, self.features, name="encoder")(x)
+  def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
+                  **flags: Any) -> tuple[Array, Any]:
+    blocks = self._blocks()
+    if not self.scan_blocks:
+      states = []
+      for i in range(self.num_blocks):
+        block = blocks[i % len(blocks)](name=f"block_{i}")
+        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
+        states.append(block_state)
+      return x, tuple(states)
+    if callable(self.layer):
+      return self._scanned(blocks, self.num_blocks, "blocks", **flags)(x, state, mask, reset)
+    repeats, rest = scanned_counts(self)
+    state = (None, None) if state is None else state
+    x, repeated = self._scanned(blocks, repeats, "blocks", **flags)(x, state[0], mask, reset)
+    tail = ()
+    if rest:
+      x, tail = self._scanned(blocks[:rest], 1, "tail", **flags)(x, state[1], mask, reset)
+    return x, (repeated, tail)
 
   @nn.compact
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
                return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
-    check_choice(self.pooling, POOLINGS, "pooling")
-    x = self._encode(x)
-    flags = dict(single_step=single_step, return_state=return_state, mode=mode, train=train)
-    if self.scan_blocks:
-      x, state = self._scanned(**flags)(x, state, mask, reset)
+    check_model(self)
+    if self.vocab_size is None:
+      encoder = nn.Dense(self.features, name="encoder")
     else:
-      states = []
-      for i in range(self.num_blocks):
-        block = SSMBlock(**self._block_config(), name=f"block_{i}")
-        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
-        states.append(block_state)
-      state = tuple(states)
+      encoder = nn.Embed(self.vocab_size, self.features, name="encoder")
+    x = encoder(x)
+    if self.scale_embeddings:
+      x = x * jnp.sqrt(self.features).astype(x.dtype)
+    x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
+                                return_state=return_state, mode=mode, train=train)
     if self.prenorm:
       x = Norm(self.norm, name="final_norm")(x, mask, train=train)
     if not single_step:
       x = pool(x, mask, self.pooling)
-    return state, nn.Dense(self.num_outputs, name="decoder")(x)
+    y = encoder.attend(x) if self.tie_embeddings else nn.Dense(self.num_outputs, name="decoder")(x)
+    return state, cap_logits(y, self.logit_cap)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
@@ -128,12 +259,13 @@ class SequenceModel(nn.Module):
         of LRU, S4D and S5 at zero, so left padding changes nothing there either. Mamba's
         convolution bias moves its state during padding: pass `reset` True at the first
         real step to start it there.
-      reset: optional `(..., T)` booleans; True clears every block's state before that step.
+      reset: optional `(..., T)` booleans; True clears every block's state before that step
+        (attention then reads no key before it).
       initial_state: optional state to start from, as `initialize_state` or `step` makes it
         (e.g. the state at the start of a rollout); default zeros.
       return_state: also return the state after the last step (padding included), from which
         `step` or another call continues.
-      mode: scan mode of the SSM layers.
+      mode: scan mode of the layers.
       train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
         `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
 
@@ -147,12 +279,17 @@ class SequenceModel(nn.Module):
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
-    """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens."""
+    """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens.
+
+    A tuple of the blocks' states; with `scan_blocks`, one layer's state stacked over the blocks,
+    or for a pattern `(repeats, tail)`: per pattern position, the states of its blocks in the
+    whole repeats stacked, and those of the tail (stacked on an axis of size 1).
+    """
+    check_model(self)
     batch = tuple(input_shape) if self.vocab_size is not None else tuple(input_shape)[:-1]
-    block_state = SSMBlock(**self._block_config(), parent=None).initialize_state((*batch, self.features))
-    if self.scan_blocks:
-      return jax.tree.map(lambda s: jnp.stack([s] * self.num_blocks), block_state)
-    return tuple(block_state for _ in range(self.num_blocks))
+    states = tuple(make(parent=None).initialize_state((*batch, self.features))
+                   for make in self._blocks())
+    return pattern_state(self, states)
 
   def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
     """Advances one step at inference; needs pooling "none".
@@ -168,6 +305,16 @@ class SequenceModel(nn.Module):
     x_t, reset = check_step_inputs(self, x_t, reset)
     return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
                          train=False)
+
+
+def pattern_state(model: Any, states: tuple[Any, ...]) -> Any:
+  """A model's state from one block state per pattern position (see `initialize_state`)."""
+  if not model.scan_blocks:
+    return tuple(states[i % len(states)] for i in range(model.num_blocks))
+  if callable(model.layer):
+    return stacked_state(states, model.num_blocks)[0]
+  repeats, rest = scanned_counts(model)
+  return stacked_state(states, repeats), stacked_state(states[:rest], 1)
 
 
 def _check_tokens(model: Any, x: Array, batch_rank: int, what: str) -> Array:

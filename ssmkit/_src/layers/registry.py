@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ssmkit._src.layers.attention import Attention
-from ssmkit._src.layers.block import ACTIVATIONS, NORMS
+from ssmkit._src.layers.block import ACTIVATIONS, MLPS, NORMS
 from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mingru import MinGRU
-from ssmkit._src.layers.model import POOLINGS
+from ssmkit._src.layers.model import BLOCKS, POOLINGS
 from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
@@ -56,4 +56,4 @@ LAYERS: dict[str, Entry] = {
     )),
 }
 
-__all__ = ["ACTIVATIONS", "LAYERS", "NORMS", "POOLINGS", "Entry"]
+__all__ = ["ACTIVATIONS", "BLOCKS", "LAYERS", "MLPS", "NORMS", "POOLINGS", "Entry"]

@@ -1,4 +1,4 @@
-"""`SSMBlock` as a Flax NNX module: the linen block's composition with NNX sublayers."""
+"""`SSMBlock` and `MixerBlock` as Flax NNX modules: the linen blocks' compositions with NNX sublayers."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ from flax import nnx
 from ssmkit._src.layers import common
 from ssmkit._src.layers.block import (
     ACTIVATIONS,
+    MLPS,
     NORMS,
     check_choice,
     check_mask,
     expand_mask,
+    feed_forward,
+    mixer_residual,
+    mlp_width,
     residual,
     run_layer,
 )
@@ -51,7 +55,55 @@ def normalize(norm: Norm, x: Array, mask: Array | None, *, inference: bool) -> A
   return norm(x)
 
 
-class SSMBlock(nnx.Module):
+class _Block(nnx.Module):
+  """What every NNX block offers around its carry-first `forward`: sequences, zero state, one step.
+
+  The layer's attribute is named by `_layer_name`.
+  """
+
+  _layer_name: str
+
+  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
+               ) -> Array | tuple[Array, Any]:
+    """Runs the block over a whole sequence.
+
+    Args:
+      x: `(..., T, H)` inputs.
+      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
+      reset: optional `(..., T)` booleans; True clears the layer's state before that step.
+      initial_state: optional layer state to start from, as `step` makes it; default zeros.
+      return_state: also return the layer's state after the last step (padding included).
+      mode: scan mode of the layer.
+
+    Returns:
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
+    """
+    x, reset = common.check_sequence(x, reset)
+    state, y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
+                            return_state=return_state, mode=mode)
+    return (y, state) if return_state else y
+
+  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
+    """The layer's zero state for inputs `(*batch, H)` of one step."""
+    return getattr(self, self._layer_name).initialize_state(input_shape)
+
+  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+    """Advances one step at inference (dropout off, BatchNorm on running averages).
+
+    Args:
+      state: the layer's state.
+      x_t: `(*batch, H)` input of this step.
+      reset: optional `(*batch,)` booleans; True clears the state before this step.
+
+    Returns:
+      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
+    """
+    x_t, reset = common.check_step(x_t, reset)
+    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
+
+
+class SSMBlock(_Block):
   """`ssmkit.layers.SSMBlock` as an NNX module: x + dropout(activation(ssm(norm(x)))).
 
   Built as `SSMBlock(features, layer=ssmkit.nnx.LRU, ..., rngs=nnx.Rngs(0))`; the layer is
@@ -68,6 +120,8 @@ class SSMBlock(nnx.Module):
     glu_value: the GLU's value projection ("glu"), else None.
     glu_gate: the GLU's gate projection ("glu", "half_glu"), else None.
   """
+
+  _layer_name = "ssm"
 
   def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, norm: str = "layer",
                activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
@@ -107,41 +161,71 @@ class SSMBlock(nnx.Module):
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         value=self.glu_value, gate=self.glu_gate, prenorm=self.prenorm)
 
-  def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
-               ) -> Array | tuple[Array, Any]:
-    """Runs the block over a whole sequence.
+
+class MixerBlock(_Block):
+  """`ssmkit.layers.MixerBlock` as an NNX module: h = x + mixer(norm(x)), then h + mlp(norm(h)).
+
+  Built as `MixerBlock(features, layer=ssmkit.nnx.Attention, mlp="swiglu", ..., rngs=...)`;
+  the mixer is `layer(features, rngs=rngs)`. Dropout and BatchNorm follow NNX's modes as in
+  `SSMBlock`; `step` is always inference.
+
+  Attributes:
+    norm: the norm before the mixer.
+    mixer: the sequence layer.
+    dropout: the dropout module.
+    mlp_norm: the norm before the MLP, or None without an MLP.
+    mlp_up: the MLP's first projection, or None.
+    mlp_gate: the MLP's gate projection ("geglu", "swiglu"), else None.
+    mlp_down: the MLP's output projection, or None.
+  """
+
+  _layer_name = "mixer"
+
+  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, norm: str = "rms",
+               mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
+               dropout_rate: float = 0.0, rngs: nnx.Rngs):
+    """Builds the block.
 
     Args:
-      x: `(..., T, H)` inputs.
-      mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1 broadcast).
-      reset: optional `(..., T)` booleans; True clears the SSM state before that step.
-      initial_state: optional SSM state to start from, as `step` makes it; default zeros.
-      return_state: also return the SSM state after the last step (padding included).
-      mode: scan mode of the SSM layer.
-
-    Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
+      features: the width H of inputs and outputs.
+      layer: factory of the mixer, e.g. `functools.partial(ssmkit.nnx.Attention, window=64)`.
+      norm: "rms", "layer" or "batch".
+      mlp: "none", "gelu", "geglu" or "swiglu" (see `ssmkit.layers.MixerBlock`).
+      mlp_expansion: the MLP's hidden width over `features`.
+      mlp_bias: biases in the MLP's projections.
+      dropout_rate: dropout on the mixer's and the MLP's outputs, in training mode.
+      rngs: the parameters' and dropout's random streams.
     """
-    x, reset = common.check_sequence(x, reset)
-    state, y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
-                            return_state=return_state, mode=mode)
-    return (y, state) if return_state else y
+    common.check_positive_int(features, "features")
+    check_choice(mlp, MLPS, "mlp")
+    self.features = features
+    self.mlp = mlp
+    self.mlp_expansion = mlp_expansion
+    self.mlp_bias = mlp_bias
+    self.norm = make_norm(norm, features, rngs)
+    self.mixer = layer(features, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    hidden = mlp_width(features, mlp_expansion)
+    linear = functools.partial(nnx.Linear, use_bias=mlp_bias, rngs=rngs)
+    has_mlp = mlp != "none"
+    self.mlp_norm = make_norm(norm, features, rngs) if has_mlp else None
+    self.mlp_up = linear(features, hidden) if has_mlp else None
+    self.mlp_gate = linear(features, hidden) if mlp in ("geglu", "swiglu") else None
+    self.mlp_down = linear(hidden, features) if has_mlp else None
 
-  def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
-    """The SSM layer's zero state for inputs `(*batch, H)` of one step."""
-    return self.ssm.initialize_state(input_shape)
-
-  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
-    """Advances one step at inference (dropout off, BatchNorm on running averages).
-
-    Args:
-      state: the SSM layer's state.
-      x_t: `(*batch, H)` input of this step.
-      reset: optional `(*batch,)` booleans; True clears the state before this step.
-
-    Returns:
-      `(state, y_t)` with `y_t` of shape `(*batch, H)`.
-    """
-    x_t, reset = common.check_step(x_t, reset)
-    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
+  def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
+              single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
+    `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
+    norm = functools.partial(normalize, mask=mask, inference=single_step)
+    mlp = None
+    if self.mlp != "none":
+      mlp = functools.partial(feed_forward, kind=self.mlp, up=self.mlp_up, gate=self.mlp_gate,
+                              down=self.mlp_down)
+    return mixer_residual(
+        x, mask,
+        functools.partial(run_layer, self.mixer, reset=reset, state=state, single_step=single_step,
+                          return_state=return_state, mode=mode),
+        norm=lambda u: norm(self.norm, u),
+        dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
+        mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp)

@@ -3,7 +3,9 @@
 A linen layer's parameter tree and its NNX module's state have the same names. Around the
 layers the paths differ only in three ways: linen's `Norm` holds its flax norm as
 `LayerNorm_0`, `RMSNorm_0` or `BatchNorm_0`; linen's unrolled blocks are `block_<i>`
-where NNX has `blocks/<i>`; linen's scanned blocks are `blocks/block` where NNX has `blocks`.
+where NNX has `blocks/<i>`; linen's scanned blocks are `blocks/block` where NNX has `blocks`,
+or for a layer pattern `blocks/block_<j>` and `tail/block_<j>` where NNX has `blocks/<j>` and
+`tail/<j>`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from flax import nnx, traverse_util
 
 from ssmkit._src.layers import block as linen_block
 from ssmkit._src.layers import model as linen_model
-from ssmkit._src.nnx.block import NORM_MODULES, SSMBlock, norm_kind
+from ssmkit._src.nnx.block import NORM_MODULES, MixerBlock, SSMBlock, norm_kind
 from ssmkit._src.nnx.layers import Layer, front_end, option_names
 from ssmkit._src.nnx.model import SequenceModel
 
 Array = jax.Array
-Module = Layer | SSMBlock | SequenceModel
+Module = Layer | SSMBlock | MixerBlock | SequenceModel
+# The options of a `SequenceModel` beside its layers, by the same names in both front ends.
+_MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
+                  "activation", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm",
+                  "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
 _COLLECTIONS: dict[type[nnx.Variable], str] = {nnx.Param: "params", nnx.BatchStat: "batch_stats"}
@@ -60,8 +66,13 @@ def _linen_path(model: Module, path: tuple[Any, ...]) -> tuple[Any, ...]:
   for key in path[:-1]:
     owner = owner[key] if isinstance(key, int) else getattr(owner, key)
   head = path[:-1]
-  if isinstance(model, SequenceModel) and path[0] == "blocks":
-    head = ("blocks", "block", *path[1:-1]) if model.scan_blocks else (f"block_{path[1]}", *path[2:-1])
+  if isinstance(model, SequenceModel) and path[0] in ("blocks", "tail"):
+    if not model.scan_blocks:
+      head = (f"block_{path[1]}", *path[2:-1])
+    elif callable(model.layer):
+      head = ("blocks", "block", *path[1:-1])
+    else:
+      head = (path[0], f"block_{path[1]}", *path[2:-1])
   if isinstance(owner, tuple(NORM_MODULES.values())):
     head = (*head, _LINEN_NORM_SCOPES[norm_kind(owner)])
   return (*head, path[-1])
@@ -88,8 +99,19 @@ def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
 
 def _block_options(block: Any) -> dict[str, Any]:
   """The options of a linen block, but its layer."""
-  return dict(norm=block.norm, activation=block.activation, dropout_rate=block.dropout_rate,
-              prenorm=block.prenorm)
+  names = ("norm", "activation", "dropout_rate", "prenorm")
+  if isinstance(block, linen_block.MixerBlock):
+    names = ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate")
+  return {name: getattr(block, name) for name in names}
+
+
+def _pattern_layers(model: SequenceModel) -> list[Layer]:
+  """The NNX layer of each position of a model's layer pattern (stacked under `scan_blocks`)."""
+  if model.scan_blocks and callable(model.layer):
+    blocks = [model.blocks]
+  else:
+    blocks = list(model.blocks)[:len(linen_model.layer_pattern(model.layer))]
+  return [getattr(block, block._layer_name) for block in blocks]
 
 
 def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = None) -> Module:
@@ -125,14 +147,14 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
   params = variables["params"]
   if isinstance(module, linen_model.SequenceModel):
     in_features = None if module.vocab_size is not None else np.shape(params["encoder"]["kernel"])[0]
-    model = SequenceModel(
-        in_features, module.num_outputs, layer=_front_end_factory(module.layer),
-        features=module.features, num_blocks=module.num_blocks, vocab_size=module.vocab_size,
-        pooling=module.pooling, scan_blocks=module.scan_blocks, rngs=rngs, **_block_options(module))
-  elif isinstance(module, linen_block.SSMBlock):
+    layer = tuple(map(_front_end_factory, linen_model.layer_pattern(module.layer)))
+    model = SequenceModel(in_features, layer=layer[0] if callable(module.layer) else layer,
+                          rngs=rngs, **{name: getattr(module, name) for name in _MODEL_OPTIONS})
+  elif isinstance(module, linen_block.SSMBlock | linen_block.MixerBlock):
     norm = params["norm"][_LINEN_NORM_SCOPES[module.norm]]
-    model = SSMBlock(np.shape(norm["scale"])[-1], layer=_front_end_factory(module.layer), rngs=rngs,
-                     **_block_options(module))
+    cls = MixerBlock if isinstance(module, linen_block.MixerBlock) else SSMBlock
+    model = cls(np.shape(norm["scale"])[-1], layer=_front_end_factory(module.layer), rngs=rngs,
+                **_block_options(module))
   else:
     cls = front_end(type(module), "module")
     model = cls(_layer_width(cls, module, params), rngs=rngs, **_options(module))
@@ -167,16 +189,17 @@ def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
     TypeError: for a module of another kind.
   """
   if isinstance(model, SequenceModel):
-    block = model.blocks if model.scan_blocks else model.blocks[0]
-    module = linen_model.SequenceModel(
-        num_outputs=model.num_outputs, layer=_linen_factory(block.ssm), features=model.features,
-        num_blocks=model.num_blocks, vocab_size=model.vocab_size, pooling=model.pooling,
-        norm=norm_kind(block.norm), activation=block.activation, dropout_rate=block.dropout.rate,
-        prenorm=block.prenorm, scan_blocks=model.scan_blocks)
+    layer = tuple(map(_linen_factory, _pattern_layers(model)))
+    module = linen_model.SequenceModel(layer=layer[0] if callable(model.layer) else layer,
+                                       **{name: getattr(model, name) for name in _MODEL_OPTIONS})
   elif isinstance(model, SSMBlock):
     module = linen_block.SSMBlock(
         layer=_linen_factory(model.ssm), norm=norm_kind(model.norm), activation=model.activation,
         dropout_rate=model.dropout.rate, prenorm=model.prenorm)
+  elif isinstance(model, MixerBlock):
+    module = linen_block.MixerBlock(
+        layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), mlp=model.mlp,
+        mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias, dropout_rate=model.dropout.rate)
   elif isinstance(model, Layer):
     module = type(model).linen(**_options(model))
   else:

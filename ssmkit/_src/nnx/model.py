@@ -3,36 +3,38 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ssmkit._src.layers import common
-from ssmkit._src.layers.block import check_choice
 from ssmkit._src.layers.model import (
-    POOLINGS,
+    cap_logits,
     check_inputs,
+    check_model,
     check_step_inputs,
     generation_arguments,
+    layer_pattern,
+    pattern_state,
     pool,
     sample,
+    scanned_counts,
 )
 from ssmkit._src.modes import Mode
-from ssmkit._src.nnx.block import SSMBlock, make_norm, normalize
+from ssmkit._src.nnx.block import MixerBlock, SSMBlock, make_norm, normalize
 from ssmkit._src.nnx.layers import LRU
 
 Array = jax.Array
 
 
-def _stacked_blocks(make: Callable[[nnx.Rngs], SSMBlock], count: int, rngs: nnx.Rngs) -> SSMBlock:
+def _stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
   """`count` blocks as one whose parameters are stacked on a leading axis, each drawn apart."""
 
   @nnx.split_rngs(splits=count)
   @nnx.vmap(in_axes=(0,), out_axes=0)
-  def create(rngs: nnx.Rngs) -> SSMBlock:
+  def create(rngs: nnx.Rngs) -> nnx.Module:
     return make(rngs)
 
   return create(rngs)
@@ -43,91 +45,152 @@ class SequenceModel(nnx.Module):
 
   `SequenceModel(in_features, num_outputs, layer=ssmkit.nnx.LRU, ..., rngs=nnx.Rngs(0))` for
   real inputs `(..., T, in_features)`, or `SequenceModel(None, num_outputs, vocab_size=V, ...)`
-  for tokens `(..., T)`; the other options are the linen model's. Each block builds its layer
-  as `layer(features, rngs=rngs)`. Dropout and BatchNorm follow NNX's modes (`model.train()`,
+  for tokens `(..., T)`; the other options are the linen model's, `layer` a factory or a
+  pattern of them cycled over the blocks. Each block builds its layer as
+  `layer(features, rngs=rngs)`. Dropout and BatchNorm follow NNX's modes (`model.train()`,
   the mode a new module starts in, and `model.eval()`, see `SSMBlock`); `step` is always
   inference.
 
   Attributes:
     encoder: `nnx.Linear` for real inputs, `nnx.Embed` for tokens.
-    blocks: an `nnx.List` of `SSMBlock`s, or with `scan_blocks` one `SSMBlock` whose
-      parameters are stacked on a leading axis of size `num_blocks`.
+    blocks: an `nnx.List` of blocks (`SSMBlock` or `MixerBlock`); with `scan_blocks`, one
+      block whose parameters are stacked on a leading axis of size `num_blocks`, or for a
+      pattern an `nnx.List` of one such block per pattern position over the whole repeats.
+    tail: with `scan_blocks` and a pattern whose length does not divide `num_blocks`, an
+      `nnx.List` of the blocks left, each stacked on an axis of size 1; else None.
     final_norm: the norm after the blocks (with `prenorm`), else None.
-    decoder: `nnx.Linear` to `num_outputs`.
+    decoder: `nnx.Linear` to `num_outputs`, or None with `tie_embeddings`.
   """
 
   def __init__(self, in_features: int | None, num_outputs: int, *,
-               layer: Callable[..., nnx.Module] = LRU, features: int = 64, num_blocks: int = 2,
-               vocab_size: int | None = None, pooling: str = "mean", norm: str = "layer",
-               activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
-               scan_blocks: bool = False, rngs: nnx.Rngs):
+               layer: Callable[..., nnx.Module] | Sequence[Callable[..., nnx.Module]] = LRU,
+               features: int = 64, num_blocks: int = 2, vocab_size: int | None = None,
+               pooling: str = "mean", block: str = "ssm", norm: str = "layer",
+               activation: str = "glu", mlp: str = "none", mlp_expansion: float = 4.0,
+               mlp_bias: bool = False, dropout_rate: float = 0.0, prenorm: bool = True,
+               scan_blocks: bool = False, tie_embeddings: bool = False,
+               scale_embeddings: bool = False, logit_cap: float | None = None, rngs: nnx.Rngs):
     """Builds the model.
 
     Args:
       in_features: the width F of real inputs; None with `vocab_size` for token inputs.
       num_outputs: classes, or the output vocabulary of a language model.
-      layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`.
+      layer: factory of the sequence layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`,
+        or a sequence of factories cycled over the blocks.
       features: model width H.
       num_blocks: number of residual blocks.
       vocab_size: input vocabulary for token inputs; None for real-valued inputs.
       pooling: "mean" or "last" over the real steps of `mask`, or "none".
+      block: "ssm" (`SSMBlock`) or "mixer" (`MixerBlock`).
       norm: "layer", "batch" or "rms".
-      activation: "gelu", "glu" or "half_glu".
+      activation: "gelu", "glu" or "half_glu" (block "ssm").
+      mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer").
+      mlp_expansion: the MLP's hidden width over `features` (block "mixer").
+      mlp_bias: biases in the MLP's projections (block "mixer").
       dropout_rate: dropout inside the blocks in training mode.
-      prenorm: normalise block inputs (True) or residual sums (False).
+      prenorm: normalise block inputs (True) or residual sums (False; block "ssm" only).
       scan_blocks: run the blocks with `nnx.scan` over parameters stacked on a leading axis,
-        so compile time does not grow with depth.
+        so compile time does not grow with depth (see `ssmkit.layers.SequenceModel`).
+      tie_embeddings: decode with the transposed token embedding (`vocab_size` equal to
+        `num_outputs`).
+      scale_embeddings: multiply token embeddings by sqrt(`features`).
+      logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
       rngs: the parameters' and dropout's random streams.
     """
     if (in_features is None) == (vocab_size is None):
       raise ValueError("give `in_features` for real inputs or `vocab_size` for tokens, not both: got "
                        f"in_features={in_features!r}, vocab_size={vocab_size!r}.")
-    check_choice(pooling, POOLINGS, "pooling")
-    common.check_positive_int(num_blocks, "num_blocks")
     self.in_features = in_features
     self.num_outputs = num_outputs
+    self.layer = layer if callable(layer) else tuple(layer)
     self.features = features
     self.num_blocks = num_blocks
     self.vocab_size = vocab_size
     self.pooling = pooling
+    self.block = block
+    self.norm = norm
+    self.activation = activation
+    self.mlp = mlp
+    self.mlp_expansion = mlp_expansion
+    self.mlp_bias = mlp_bias
+    self.dropout_rate = dropout_rate
+    self.prenorm = prenorm
     self.scan_blocks = scan_blocks
+    self.tie_embeddings = tie_embeddings
+    self.scale_embeddings = scale_embeddings
+    self.logit_cap = logit_cap
+    check_model(self)
     if vocab_size is None:
       self.encoder = nnx.Linear(in_features, features, rngs=rngs)
     else:
       self.encoder = nnx.Embed(vocab_size, features, rngs=rngs)
-    block = functools.partial(SSMBlock, features, layer=layer, norm=norm, activation=activation,
-                              dropout_rate=dropout_rate, prenorm=prenorm)
-    if scan_blocks:
-      self.blocks = _stacked_blocks(lambda rngs: block(rngs=rngs), num_blocks, rngs)
+    if block == "ssm":
+      options = dict(norm=norm, activation=activation, dropout_rate=dropout_rate, prenorm=prenorm)
+      blocks = [functools.partial(SSMBlock, features, layer=make, **options)
+                for make in layer_pattern(layer)]
     else:
-      self.blocks = nnx.List([block(rngs=rngs) for _ in range(num_blocks)])
+      options = dict(norm=norm, mlp=mlp, mlp_expansion=mlp_expansion, mlp_bias=mlp_bias,
+                     dropout_rate=dropout_rate)
+      blocks = [functools.partial(MixerBlock, features, layer=make, **options)
+                for make in layer_pattern(layer)]
+    tail = None
+    if not scan_blocks:
+      self.blocks = nnx.List([blocks[i % len(blocks)](rngs=rngs) for i in range(num_blocks)])
+    elif callable(layer):
+      self.blocks = _stacked_blocks(lambda rngs: blocks[0](rngs=rngs), num_blocks, rngs)
+    else:
+      repeats, rest = scanned_counts(self)
+      stack = lambda make, count: _stacked_blocks(lambda rngs: make(rngs=rngs), count, rngs)
+      self.blocks = nnx.List([stack(make, repeats) for make in blocks])
+      tail = nnx.List([stack(make, 1) for make in blocks[:rest]]) if rest else None
+    self.tail = tail
     self.final_norm = make_norm(norm, features, rngs) if prenorm else None
-    self.decoder = nnx.Linear(features, num_outputs, rngs=rngs)
+    self.decoder = None if tie_embeddings else nnx.Linear(features, num_outputs, rngs=rngs)
+
+  def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
+                  **flags: Any) -> tuple[Array, Any]:
+    if not self.scan_blocks:
+      states = []
+      for i, block in enumerate(self.blocks):
+        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
+        states.append(block_state)
+      return x, tuple(states)
+
+    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def through(blocks: Any, x: Array, block_state: Any) -> tuple[Array, Any]:
+      if not isinstance(blocks, nnx.List):
+        block_state, x = blocks.forward(x, mask, reset, block_state, **flags)
+        return x, block_state
+      states = []
+      for j, block in enumerate(blocks):
+        state_j, x = block.forward(x, mask, reset, None if block_state is None else block_state[j],
+                                   **flags)
+        states.append(state_j)
+      return x, tuple(states)
+
+    if callable(self.layer):
+      return through(self.blocks, x, state)
+    state = (None, None) if state is None else state
+    x, repeated = through(self.blocks, x, state[0])
+    tail = ()
+    if self.tail is not None:
+      x, tail = through(self.tail, x, state[1])
+    return x, (repeated, tail)
 
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
                single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
     x = self.encoder(x)
-    flags = dict(single_step=single_step, return_state=return_state, mode=mode)
-    if self.scan_blocks:
-
-      @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-      def through(block: SSMBlock, x: Array, block_state: Any) -> tuple[Array, Any]:
-        block_state, x = block.forward(x, mask, reset, block_state, **flags)
-        return x, block_state
-
-      x, state = through(self.blocks, x, state)
-    else:
-      states = []
-      for i, block in enumerate(self.blocks):
-        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
-        states.append(block_state)
-      state = tuple(states)
+    if self.scale_embeddings:
+      x = x * jnp.sqrt(self.features).astype(x.dtype)
+    x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
+                                return_state=return_state, mode=mode)
     if self.final_norm is not None:
       x = normalize(self.final_norm, x, mask, inference=single_step)
     if not single_step:
       x = pool(x, mask, self.pooling)
-    return state, self.decoder(x)
+    y = self.encoder.attend(x) if self.tie_embeddings else self.decoder(x)
+    return state, cap_logits(y, self.logit_cap)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
@@ -142,7 +205,7 @@ class SequenceModel(nnx.Module):
       initial_state: optional state to start from, as `initialize_state` or `step` makes it;
         default zeros.
       return_state: also return the state after the last step (padding included).
-      mode: scan mode of the SSM layers.
+      mode: scan mode of the layers.
 
     Returns:
       `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
@@ -154,15 +217,19 @@ class SequenceModel(nnx.Module):
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
-    """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens."""
+    """The zero state of every block for one step of input: `(*batch, F)`, or `(*batch,)` tokens
+    (structured as `ssmkit.layers.SequenceModel.initialize_state` describes)."""
     batch = tuple(input_shape) if self.vocab_size is not None else tuple(input_shape)[:-1]
     shape = (*batch, self.features)
-    if self.scan_blocks:
-      # Zero states need no parameters: the stacked block gives one block's.
-      return jax.tree.map(lambda s: jnp.stack([s] * self.num_blocks),
-                          self.blocks.initialize_state(shape))
-    return tuple(block.initialize_state(shape) for block in self.blocks)
-
+    # Zero states need no parameters: a stacked block gives one block's.
+    if not self.scan_blocks:
+      pattern = self.blocks[:len(layer_pattern(self.layer))]
+      states = tuple(block.initialize_state(shape) for block in pattern)
+    elif callable(self.layer):
+      states = (self.blocks.initialize_state(shape),)
+    else:
+      states = tuple(block.initialize_state(shape) for block in self.blocks)
+    return pattern_state(self, states)
   def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
     """Advances one step at inference; needs pooling "none".
 
