@@ -17,6 +17,7 @@ from flax import nnx
 import registered
 import ssmkit.nnx as snx
 from ssmkit import layers
+from ssmkit._src.layers.model import layer_pattern
 from ssmkit._src.train.core.model import parameter_labels
 
 # Every layer of the registry in each of its test configurations, and a bidirectional S4D:
@@ -266,6 +267,10 @@ SMALL = {
     "S5": (functools.partial(snx.S5, d_state=4), functools.partial(layers.S5, d_state=4)),
     "Mamba": (functools.partial(snx.Mamba, d_state=4, d_conv=3),
               functools.partial(layers.Mamba, d_state=4, d_conv=3)),
+    "RGLRU": (functools.partial(snx.RGLRU, num_heads=2, d_conv=3),
+              functools.partial(layers.RGLRU, num_heads=2, d_conv=3)),
+    "Attention": (functools.partial(snx.Attention, num_heads=2, head_dim=4, window=4),
+                  functools.partial(layers.Attention, num_heads=2, head_dim=4, window=4)),
 }
 
 
@@ -316,19 +321,31 @@ MODELS = {
     "Mamba-unrolled": dict(layer="Mamba", pooling="none"),
     "S4D-bidirectional-layer-norm-postnorm": dict(layer="S4D-bidirectional", norm="layer",
                                                   activation="gelu", prenorm=False, pooling="last"),
+    # Griffin's pattern, 4 blocks: one scanned repeat of the 3 and a tail of one.
+    "Griffin-scanned-tail-lm-head": dict(
+        layer=("RGLRU", "RGLRU", "Attention"), block="mixer", mlp="geglu", mlp_expansion=1.5,
+        num_blocks=4, scan_blocks=True, vocab_size=7, num_outputs=7, pooling="none",
+        tie_embeddings=True, scale_embeddings=True, logit_cap=3.0),
+    "Mamba-Attention-unrolled-swiglu": dict(layer=("Mamba", "Attention"), block="mixer", norm="rms",
+                                            mlp="swiglu", mlp_bias=True, num_blocks=3,
+                                            pooling="last"),
 }
 
 
 def _model_options(name):
   options = dict(MODELS[name])
-  return {**options, "layer": SMALL[options["layer"]][0]}
+  layer = options["layer"]
+  return {**options, "layer": SMALL[layer][0] if isinstance(layer, str)
+          else tuple(SMALL[name][0] for name in layer)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_equals_linen_in_training_and_evaluation(name):
   options = MODELS[name]
   model, module, variables = _models(**_model_options(name))
-  assert module.layer(parent=None) == SMALL[options["layer"]][1](parent=None)
+  names = (options["layer"],) if isinstance(options["layer"], str) else options["layer"]
+  assert ([make(parent=None) for make in layer_pattern(module.layer)]
+          == [SMALL[name][1](parent=None) for name in names])
   tokens = "vocab_size" in options
   x = jax.random.randint(jax.random.key(2), (3, 11), 0, 7) if tokens else _x((3, 11, 2))
   mask = jnp.arange(11)[None, :] < jnp.asarray([[4], [11], [8]])
@@ -355,10 +372,11 @@ def test_model_defaults_are_the_linen_models():
             if f.name not in ("parent", "name", "num_outputs", "layer")}
   parameters = inspect.signature(snx.SequenceModel.__init__).parameters
   assert {n: parameters[n].default for n in fields} == fields
-  block_fields = {f.name: f.default for f in dataclasses.fields(layers.SSMBlock)
-                  if f.name not in ("parent", "name", "layer")}
-  parameters = inspect.signature(snx.SSMBlock.__init__).parameters
-  assert {n: parameters[n].default for n in block_fields} == block_fields
+  for linen, front_end in [(layers.SSMBlock, snx.SSMBlock), (layers.MixerBlock, snx.MixerBlock)]:
+    block_fields = {f.name: f.default for f in dataclasses.fields(linen)
+                    if f.name not in ("parent", "name", "layer")}
+    parameters = inspect.signature(front_end.__init__).parameters
+    assert {n: parameters[n].default for n in block_fields} == block_fields
 
 
 def test_dropout_acts_only_in_training():
@@ -376,7 +394,10 @@ def test_model_rejects_bad_configuration():
   with pytest.raises(ValueError, match="in_features"):
     snx.SequenceModel(None, 3, rngs=nnx.Rngs(0))
   for option, match in [({"pooling": "max"}, "pooling"), ({"norm": "group"}, "norm"),
-                        ({"activation": "relu"}, "activation")]:
+                        ({"activation": "relu"}, "activation"), ({"mlp": "relu"}, "mlp"),
+                        ({"mlp": "gelu"}, "mlp"), ({"block": "mixer", "prenorm": False}, "prenorm"),
+                        ({"tie_embeddings": True}, "tie_embeddings"), ({"layer": []}, "layer"),
+                        ({"layer": [SMALL["LRU"][0]] * 3, "scan_blocks": True}, "num_blocks")]:
     with pytest.raises(ValueError, match=match):
       snx.SequenceModel(2, 3, **option, rngs=nnx.Rngs(0))
   model = snx.SequenceModel(2, 3, features=4, layer=SMALL["LRU"][0], rngs=nnx.Rngs(0))
