@@ -471,6 +471,15 @@ def test_the_trainers_optimizer_groups_label_nnx_parameters_as_linen_ones():
   assert (block["ssm"]["nu_log"].get_value(), block["norm"]["scale"].get_value(),
           block["glu_gate"]["kernel"].get_value(), labels["encoder"]["bias"].get_value()
           ) == ("ssm", "no_decay", "decay", "no_decay")
+  # A scanned pattern with a tail: each block by its own layer's groups.
+  pattern = ("lru", "attention")
+  model, _, variables = _models(layer=(SMALL["LRU"][0], SMALL["Attention"][0]), num_blocks=3,
+                                scan_blocks=True, block="mixer")
+  labels = parameter_labels(nnx.state(model, nnx.Param), pattern)
+  assert sorted(jax.tree.leaves(labels)) == sorted(jax.tree.leaves(
+      parameter_labels(variables["params"], pattern)))
+  assert labels["tail"][0]["mixer"]["nu_log"].get_value() == "ssm"
+  assert labels["blocks"][1]["mixer"]["q_proj"].get_value() == "decay"
 
 
 def test_split_and_merge_round_trip():

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ssmkit
-from ssmkit import cli, data, train
+from ssmkit import cli, data, layers, train
 from ssmkit._src.layers.registry import LAYERS
 from ssmkit._src.train import reference
 from ssmkit._src.train.core import metrics
@@ -277,6 +277,72 @@ def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
   assert groups.recurrence | groups.no_decay <= names
 
 
+PATTERN = ["model.layer=[lru, attention, lru]",
+           "model.layer_kwargs={lru: {d_state: 4}, attention: {num_heads: 2}}",
+           "model.features=8", "model.block=mixer", "model.mlp=gelu"]
+
+
+@pytest.mark.parametrize("num_blocks, scan_blocks", [(4, False), (4, True)])
+def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(num_blocks, scan_blocks):
+  """Block i holds layer i mod 3 of the pattern, and its parameters its own layer's groups."""
+  config = train.load_config(None, ["data.name=mnist1d", *PATTERN, f"model.num_blocks={num_blocks}",
+                                    f"model.scan_blocks={scan_blocks}"])
+  model = train.core.build_model(config.model, num_outputs=3, vocab_size=None)
+  assert [(make.func, make.keywords) for make in model.layer] == [
+      (layers.LRU, {"d_state": 4}), (layers.Attention, {"num_heads": 2}), (layers.LRU, {"d_state": 4})]
+  assert (model.block, model.mlp, model.num_blocks) == ("mixer", "gelu", num_blocks)
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 5, 2)))["params"]
+  labels = parameter_labels(params, train.core.layer_names(config.model))
+  if scan_blocks:  # 1 repeat of the 3 and a tail of one LRU block
+    mixers = [*(labels["blocks"][f"block_{j}"]["mixer"] for j in range(3)),
+              labels["tail"]["block_0"]["mixer"]]
+  else:
+    mixers = [labels[f"block_{i}"]["mixer"] for i in range(num_blocks)]
+  for i, mixer in enumerate(mixers):
+    if i % 3 == 1:
+      assert set(mixer.values()) == {"decay"} and "q_proj" in mixer
+    else:
+      assert mixer["nu_log"] == mixer["B_re"] == "ssm" and mixer["C_re"] == "decay"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.layer=[lru, gru]"], r"`model\.layer\[1\]` must be one of"),
+        (["model.layer=[]"], r"`model\.layer` must be one of .* or a non-empty list of them, got \[\]"),
+        (["model.layer_kwargs={lru: {d_state: 4}, mamba: {}}"],
+         r"`model\.layer_kwargs\.mamba`: .* not in"),
+        (["model.layer_kwargs={lru: 4}"], r"`model\.layer_kwargs\.lru` must be a mapping"),
+        (["model.layer_kwargs={attention: {windw: 4}}"],
+         r"`model\.layer_kwargs\.attention\.windw` is not"),
+        (["model.layer_kwargs={attention: {num_heads: 3}}"],
+         r"Attention rejects `model\.layer_kwargs\.attention\.num_heads`=3"),
+        (["model.mlp=relu"], r"`model\.mlp` must be one of"),
+        (["model.block=ssm"], r"`model\.mlp` needs block='mixer'"),
+        (["model.prenorm=false"], r"`model\.prenorm` must be True"),
+        (["model.tie_embeddings=true"], r"`model\.tie_embeddings` needs token inputs"),
+        (["model.logit_cap=0"], r"`model\.logit_cap` must be > 0"),
+        (["model.mlp_expansion=0"], r"`model\.mlp_expansion` must be > 0"),
+        (["model.scan_blocks=true", "model.num_blocks=2"],
+         r"`model\.scan_blocks` needs `num_blocks` >="),
+    ],
+)
+def test_bad_patterns_and_block_options_are_named_before_anything_is_written(overrides, message,
+                                                                              tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(train.ConfigError, match=message):
+    train.train_and_evaluate(train.load_config(None, ["data.name=mnist1d", *PATTERN, *overrides]),
+                             workdir)
+  assert not workdir.exists()
+
+
+def test_switching_between_a_layer_and_a_pattern_drops_the_old_arguments():
+  config = train.load_config("mnist1d_lru", ["model.layer=[lru, attention]"])
+  assert (config.model.layer, config.model.layer_kwargs) == (["lru", "attention"], {})
+  config = train.load_config("mqar_hybrid", ["model.layer=lru"])
+  assert (config.model.layer, config.model.layer_kwargs) == ("lru", {})
+
+
 def test_optimizer_gives_ssm_parameters_their_learning_rate_and_no_weight_decay():
   config, shapes = _tiny_params("lru")
   params = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype), shapes)
@@ -389,10 +455,13 @@ SMALL_MODEL = (
 @pytest.mark.parametrize("name", sorted(set(train.shipped_configs("supervised")) - {"mnist1d_lru"}))
 def test_every_shipped_config_trains_in_its_tiny_variant(name, tmp_path, capsys):
   config = train.load_config(name)
-  layer = LAYERS[config.model.layer].layer
-  sized = {f.name for f in dataclasses.fields(layer)} & {"d_state"}
-  overrides = [*SMALL_DATA[config.data.name], *SMALL_MODEL,
-               *(f"model.layer_kwargs.{option}=8" for option in sized)]
+  pattern = isinstance(config.model.layer, list)
+  overrides = [*SMALL_DATA[config.data.name], *SMALL_MODEL]
+  for layer in train.core.layer_names(config.model):
+    sized = {f.name for f in dataclasses.fields(LAYERS[layer].layer)} & {"d_state"}
+    overrides += [f"model.layer_kwargs.{f'{layer}.' if pattern else ''}{option}=8" for option in sized]
+  if pattern:  # one block of each layer
+    overrides.append(f"model.num_blocks={len(config.model.layer)}")
   with jax.enable_x64(False):
     assert cli.main(["train", name, "--workdir", str(tmp_path), *overrides]) == 0
   summary = json.loads((tmp_path / "summary.json").read_text())

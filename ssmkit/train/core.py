@@ -2,7 +2,13 @@
 
 from ssmkit._src.train.core.checkpoint import Checkpoints
 from ssmkit._src.train.core.loop import Loop, Rhythm, Span, run_steps
-from ssmkit._src.train.core.model import ModelConfig, TrainState, build_model, parameter_labels
+from ssmkit._src.train.core.model import (
+    ModelConfig,
+    TrainState,
+    build_model,
+    layer_names,
+    parameter_labels,
+)
 from ssmkit._src.train.core.parallel import MeshConfig, initialize_distributed
 from ssmkit._src.train.core.workdir import Workdir
 from ssmkit._src.train.reference import config_reference
@@ -23,6 +29,7 @@ __all__ = [
     "config_reference",
     "describe_config",
     "initialize_distributed",
+    "layer_names",
     "parameter_labels",
     "run_steps",
     "task_kind",

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -20,8 +22,10 @@ import numpy as np
 from flax.training import train_state
 
 from ssmkit import layers
-from ssmkit._src.layers.registry import ACTIVATIONS, LAYERS, NORMS, POOLINGS
+from ssmkit._src.layers.model import check_model
+from ssmkit._src.layers.registry import ACTIVATIONS, BLOCKS, LAYERS, MLPS, NORMS, POOLINGS
 from ssmkit._src.modes import Mode
+from ssmkit._src.train.core import schema
 from ssmkit._src.train.core.errors import ConfigError
 
 
@@ -29,28 +33,45 @@ from ssmkit._src.train.core.errors import ConfigError
 class ModelConfig:
   """The `ssmkit.layers.SequenceModel` to train; its outputs and vocabulary come from the task."""
 
-  # SSM layer of every block: an ssmkit.layers class by its name in lower case, words joined by
-  # "_" (gated_deltanet for GatedDeltaNet).
-  layer: str = "lru"
+  # Layer of every block: an ssmkit.layers class by its name in lower case, words joined by "_"
+  # (gated_deltanet for GatedDeltaNet); or a list of such names cycled over the blocks, e.g.
+  # [rglru, rglru, attention] (Griffin).
+  layer: Any = "lru"
   # Keyword arguments of the layer class, e.g. {d_state: 64, r_min: 0.4} for ssmkit.layers.LRU;
-  # each must be a field of the class, of its type.
+  # each must be a field of the class, of its type. With a list of layers, a mapping from each
+  # name to its keyword arguments, e.g. {attention: {window: 64}}.
   layer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   # Model width H.
   features: int = 64
-  # Number of residual SSM blocks.
+  # Number of residual blocks.
   num_blocks: int = 2
   # "mean" or "last" over the real steps for one label per sequence; "none" for per-step targets.
   pooling: str = "mean"
+  # "ssm": norm, layer, activation or GLU, residual (ssmkit.layers.SSMBlock); "mixer": pre-norm,
+  # layer, residual, then an optional pre-norm MLP and residual (ssmkit.layers.MixerBlock).
+  block: str = "ssm"
   # Normalisation in the blocks.
   norm: str = "layer"
-  # After the SSM layer: GELU, or GELU and a gated linear unit.
+  # After the layer of an "ssm" block: GELU, or GELU and a gated linear unit.
   activation: str = "glu"
+  # The MLP of a "mixer" block: none, gelu, geglu or swiglu.
+  mlp: str = "none"
+  # The MLP's hidden width over `features`.
+  mlp_expansion: float = 4.0
+  # Biases in the MLP's projections.
+  mlp_bias: bool = False
   # Dropout inside the blocks during training.
   dropout_rate: float = 0.0
-  # Normalise block inputs (true) or residual sums (false).
+  # Normalise block inputs (true) or residual sums (false; "ssm" blocks only).
   prenorm: bool = True
   # Apply the blocks with nn.scan over stacked parameters (compile time independent of depth).
   scan_blocks: bool = False
+  # Decode tokens with the transposed input embedding (per-step token targets of the input vocabulary).
+  tie_embeddings: bool = False
+  # Multiply token embeddings by sqrt(features).
+  scale_embeddings: bool = False
+  # Soft-cap the outputs to logit_cap * tanh(y / logit_cap); null for none.
+  logit_cap: float | None = None
   # Scan mode of the SSM layers.
   mode: str = "auto"
 
@@ -59,15 +80,52 @@ class ModelConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.layer": tuple(LAYERS),
     "model.pooling": POOLINGS,
+    "model.block": BLOCKS,
     "model.norm": NORMS,
     "model.activation": ACTIVATIONS,
+    "model.mlp": MLPS,
     "model.mode": tuple(mode.value for mode in Mode),
 }
 # Each numeric field of the `model` section with the smallest value it may take.
 MINIMUMS: dict[str, float] = {"model.features": 1, "model.num_blocks": 1}
+# Each numeric field of the `model` section that must be > 0 (None passes).
+POSITIVE = ("model.mlp_expansion", "model.logit_cap")
 
-# Name of the SSM layer's scope inside every `ssmkit.layers.SSMBlock`.
-_SSM_SCOPE = "ssm"
+# The options of `ssmkit.layers.SequenceModel` that the section gives by the same names.
+_MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "activation", "mlp",
+                  "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm", "scan_blocks",
+                  "tie_embeddings", "scale_embeddings", "logit_cap")
+# Names of the layer's scope inside an `ssmkit.layers.SSMBlock` and a `MixerBlock`.
+_LAYER_SCOPES = ("ssm", "mixer")
+
+
+def layer_names(config: ModelConfig) -> tuple[str, ...]:
+  """The registry names of the layers `config.layer` cycles over the blocks (one for one layer),
+  checked as `CHOICES` checks them."""
+  schema.check_values(types.SimpleNamespace(model=config), {"model.layer": CHOICES["model.layer"]}, {})
+  return tuple(config.layer) if isinstance(config.layer, list | tuple) else (config.layer,)
+
+
+def _layer_kwargs(config: ModelConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+  """Each layer name of `config` with the config key of its keyword arguments and their values.
+
+  Raises:
+    ConfigError: for a list of layers whose `layer_kwargs` names a layer not in the list, or
+      gives one a value that is not a mapping.
+  """
+  names = layer_names(config)
+  if not isinstance(config.layer, list | tuple):
+    return {names[0]: ("model.layer_kwargs", config.layer_kwargs)}
+  for name, kwargs in config.layer_kwargs.items():
+    if name not in names:
+      raise ConfigError(f"`model.layer_kwargs.{name}`: with a list of layers, `model.layer_kwargs` "
+                        f"maps each of {sorted(set(names))} to its keyword arguments; {name!r} is "
+                        "not in `model.layer`.")
+    if not isinstance(kwargs, dict):
+      raise ConfigError(f"`model.layer_kwargs.{name}` must be a mapping of keyword arguments of "
+                        f"that layer, got {kwargs!r}.")
+  return {name: (f"model.layer_kwargs.{name}", dict(config.layer_kwargs.get(name, {})))
+          for name in names}
 
 
 def _layer_fields(cls: type[nn.Module]) -> dict[str, Any]:
@@ -106,24 +164,27 @@ def _type_name(hint: Any) -> str:
 
 
 def check_layer_kwargs(config: ModelConfig) -> None:
-  """Checks that every key of `config.layer_kwargs` is a field of the layer, with a value of its type.
+  """Checks the layers of `config` and that every keyword argument of each is a field of the
+  layer, with a value of its type.
 
   Raises:
-    ConfigError: naming `model.layer_kwargs.<key>`, the layer and what it expected.
+    ConfigError: naming `model.layer` or `model.layer_kwargs.<key>` (with a list of layers,
+      `model.layer_kwargs.<layer>.<key>`), the layer and what it expected.
   """
-  cls = LAYERS[config.layer].layer
-  fields = _layer_fields(cls)
-  for key, value in config.layer_kwargs.items():
-    if key not in fields:
-      raise ConfigError(
-          f"`model.layer_kwargs.{key}` is not a field of ssmkit.layers.{cls.__name__}; "
-          f"its fields are: {', '.join(sorted(fields))}."
-      )
-    if not _accepts(fields[key], value):
-      raise ConfigError(
-          f"`model.layer_kwargs.{key}` must be {_type_name(fields[key])} (the type of "
-          f"ssmkit.layers.{cls.__name__}.{key}), got {value!r}."
-      )
+  for name, (where, kwargs) in _layer_kwargs(config).items():
+    cls = LAYERS[name].layer
+    fields = _layer_fields(cls)
+    for key, value in kwargs.items():
+      if key not in fields:
+        raise ConfigError(
+            f"`{where}.{key}` is not a field of ssmkit.layers.{cls.__name__}; "
+            f"its fields are: {', '.join(sorted(fields))}."
+        )
+      if not _accepts(fields[key], value):
+        raise ConfigError(
+            f"`{where}.{key}` must be {_type_name(fields[key])} (the type of "
+            f"ssmkit.layers.{cls.__name__}.{key}), got {value!r}."
+        )
 
 
 def _layer_error(cls: type[nn.Module], kwargs: dict[str, Any], features: int) -> Exception | None:
@@ -138,7 +199,7 @@ def _layer_error(cls: type[nn.Module], kwargs: dict[str, Any], features: int) ->
 
 
 def check_layer_values(config: ModelConfig) -> None:
-  """Initialises the layer of `config` (shapes only) to find keyword arguments it rejects.
+  """Initialises each layer of `config` (shapes only) to find keyword arguments it rejects.
 
   A value of the right type may still be out of the layer's range (`d_state=-3`,
   `r_min` > `r_max`). The layer raises then, in its own words; this names the keys that
@@ -147,21 +208,23 @@ def check_layer_values(config: ModelConfig) -> None:
   Raises:
     ConfigError: naming `model.layer_kwargs.<key>` and the layer's error.
   """
-  cls, kwargs = LAYERS[config.layer].layer, config.layer_kwargs
-  error = _layer_error(cls, kwargs, config.features)
-  if error is None:
-    return
-  fails = lambda keys: _layer_error(cls, {key: kwargs[key] for key in keys}, config.features) is not None
-  culprits = ([key for key in kwargs if not fails(kwargs.keys() - {key})]
-              or [key for key in kwargs if fails({key})] or list(kwargs))
-  values = ", ".join(f"`model.layer_kwargs.{key}`={kwargs[key]!r}" for key in culprits)
-  message = str(error).splitlines()[0] if str(error) else type(error).__name__
-  raise ConfigError(
-      f"ssmkit.layers.{cls.__name__} rejects {values or 'its defaults'}: {message}") from error
+  for name, (where, kwargs) in _layer_kwargs(config).items():
+    cls = LAYERS[name].layer
+    error = _layer_error(cls, kwargs, config.features)
+    if error is None:
+      continue
+    fails = lambda keys, cls=cls, kwargs=kwargs: _layer_error(
+        cls, {key: kwargs[key] for key in keys}, config.features) is not None
+    culprits = ([key for key in kwargs if not fails(kwargs.keys() - {key})]
+                or [key for key in kwargs if fails({key})] or list(kwargs))
+    values = ", ".join(f"`{where}.{key}`={kwargs[key]!r}" for key in culprits)
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    raise ConfigError(
+        f"ssmkit.layers.{cls.__name__} rejects {values or 'its defaults'}: {message}") from error
 
 
 def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -> layers.SequenceModel:
-  """The `SequenceModel` that `config` describes, its layer's keyword arguments checked.
+  """The `SequenceModel` that `config` describes, its layers' keyword arguments checked.
 
   Args:
     config: the `model` section of a training config.
@@ -173,49 +236,69 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
 
   Raises:
     ConfigError: for a layer keyword argument the layer does not have, of another type, or
-      that the layer rejects; the message names `model.layer_kwargs.<key>`.
+      that the layer rejects (the message names `model.layer_kwargs.<key>`), or model options
+      that do not fit together (naming the option).
   """
   check_layer_kwargs(config)
   check_layer_values(config)
-  return layers.SequenceModel(
+  by_name = {name: functools.partial(LAYERS[name].layer, **kwargs)
+             for name, (_, kwargs) in _layer_kwargs(config).items()}
+  pattern = tuple(by_name[name] for name in layer_names(config))
+  model = layers.SequenceModel(
       num_outputs=num_outputs,
-      layer=functools.partial(LAYERS[config.layer].layer, **config.layer_kwargs),
-      features=config.features,
-      num_blocks=config.num_blocks,
+      layer=pattern if isinstance(config.layer, list | tuple) else pattern[0],
       vocab_size=vocab_size,
-      pooling=config.pooling,
-      norm=config.norm,
-      activation=config.activation,
-      dropout_rate=config.dropout_rate,
-      prenorm=config.prenorm,
-      scan_blocks=config.scan_blocks,
+      **{name: getattr(config, name) for name in _MODEL_OPTIONS},
   )
+  try:
+    check_model(model)
+  except ValueError as error:
+    # The option a model error names first is the one at fault: name it by its config key.
+    raise ConfigError(re.sub(r"`(\w+)`", r"`model.\1`", str(error), count=1)) from None
+  return model
 
 
-def parameter_labels(params: Any, layer: str) -> Any:
+def _pattern_position(names: list[Any], length: int) -> int:
+  """The position in a layer pattern of `length` of the block a parameter path `names` lies in.
+
+  Block i of an unrolled model (linen `block_<i>`, NNX `blocks/<i>`) holds layer i mod length;
+  a scanned model's position j is `blocks/block_<j>` or `tail/block_<j>` (NNX `blocks/<j>`,
+  `tail/<j>`), and a scanned single layer is position 0.
+  """
+  for before, name in zip([None, *names], names, strict=False):
+    if isinstance(name, int) and before in ("blocks", "tail"):
+      return name % length
+    if isinstance(name, str) and name.startswith("block_") and name[6:].isdigit():
+      return int(name[6:]) % length
+  return 0
+
+
+def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
   """"ssm", "no_decay" or "decay" for every leaf of `params`, by its name and scope.
 
-  Inside the SSM layer of a block, the layer's `parameter_groups` decide: its recurrence
+  Inside the layer of a block, the layer's `parameter_groups` decide: its recurrence
   parameters are "ssm", its no-decay ones "no_decay". Elsewhere biases, norm scales and
   embeddings are "no_decay" and every other parameter "decay".
 
   Args:
-    params: the "params" collection of a `SequenceModel` built with `LAYERS[layer].layer`, or the
-      `nnx.Param` state of an `ssmkit.nnx.SequenceModel` of that layer.
-    layer: a key of `LAYERS`.
+    params: the "params" collection of a `SequenceModel` built with the layers `layer` names,
+      or the `nnx.Param` state of an `ssmkit.nnx.SequenceModel` of them.
+    layer: a key of `LAYERS`, or the keys of a layer pattern in order.
 
   Returns:
     A tree like `params` with one label string per leaf.
   """
-  groups = LAYERS[layer].layer.parameter_groups
+  names = (layer,) if isinstance(layer, str) else tuple(layer)
+  groups = [LAYERS[name].layer.parameter_groups for name in names]
 
   def label(path: tuple[Any, ...], _: Any) -> str:
     # Dict keys name the scopes; in an NNX state each leaf is further a Variable's attribute.
-    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
-    in_ssm = _SSM_SCOPE in names[:-1]
-    if in_ssm and names[-1] in groups.recurrence:
+    keys = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+    in_layer = any(scope in keys[:-1] for scope in _LAYER_SCOPES)
+    own = groups[_pattern_position(keys, len(groups))]
+    if in_layer and keys[-1] in own.recurrence:
       return "ssm"
-    if (in_ssm and names[-1] in groups.no_decay) or names[-1] in ("bias", "scale", "embedding"):
+    if (in_layer and keys[-1] in own.no_decay) or keys[-1] in ("bias", "scale", "embedding"):
       return "no_decay"
     return "decay"
 

@@ -148,12 +148,23 @@ def check_values(config: Any, choices: Mapping[str, Sequence[Any]], minimums: Ma
                  positive: Sequence[str] = ()) -> None:
   """Checks fields against their choices, their minimums and (`positive`) > 0; None passes a range.
 
+  A field typed to hold a list (as `model.layer` may) passes its choices with a non-empty list
+  of them.
+
   Raises:
-    ConfigError: naming the first field with a value outside its choices or range.
+    ConfigError: naming the first field (or list entry) with a value outside its choices or range.
   """
   for key, allowed in choices.items():
-    if get_field(config, key) not in allowed:
-      raise ConfigError(f"`{key}` must be one of {tuple(allowed)}, got {get_field(config, key)!r}.")
+    value = get_field(config, key)
+    if isinstance(value, list):
+      if not value:
+        raise ConfigError(f"`{key}` must be one of {tuple(allowed)} or a non-empty list of them, "
+                          "got [].")
+      for i, entry in enumerate(value):
+        if entry not in allowed:
+          raise ConfigError(f"`{key}[{i}]` must be one of {tuple(allowed)}, got {entry!r}.")
+    elif value not in allowed:
+      raise ConfigError(f"`{key}` must be one of {tuple(allowed)}, got {value!r}.")
   for key, minimum in minimums.items():
     value = get_field(config, key)
     if value is not None and value < minimum:

@@ -141,7 +141,7 @@ MINIMUMS: dict[str, float] = {
     "train.keep_checkpoints": 1,
 }
 # Each numeric field that must be > 0.
-POSITIVE = ("ppo.clip_eps", "ppo.learning_rate", "ppo.grad_clip")
+POSITIVE = ("ppo.clip_eps", "ppo.learning_rate", "ppo.grad_clip", *model.POSITIVE)
 _AT_MOST_ONE = ("ppo.gamma", "ppo.gae_lambda")
 
 

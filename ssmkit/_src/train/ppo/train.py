@@ -24,7 +24,7 @@ from ssmkit import layers
 from ssmkit._src.train.core import metrics, parallel, schema
 from ssmkit._src.train.core import workdir as workdirs
 from ssmkit._src.train.core.loop import Loop, Rhythm
-from ssmkit._src.train.core.model import count_parameters
+from ssmkit._src.train.core.model import count_parameters, layer_names
 from ssmkit._src.train.ppo.agent import Agent, make_agent
 from ssmkit._src.train.ppo.config import PPOConfig, validate
 from ssmkit._src.train.ppo.env import VecEnv, make_env
@@ -157,9 +157,10 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
   with workdirs.Workdir(workdir, config, started) as files:
     state, _ = files.restore(run.state)
     num_params = count_parameters(state.train_state.params)
+    kind = "recurrent" if run.agent.recurrent else "feed-forward"
     header = (
-        f"{'recurrent' if run.agent.recurrent else 'feed-forward'} {config.model.layer} policy with "
-        f"{num_params:,} parameters on {config.env.name}, {rhythm.total} updates of "
+        f"{kind} {'/'.join(layer_names(config.model))} policy with {num_params:,} parameters on "
+        f"{config.env.name}, {rhythm.total} updates of "
         f"{config.env.num_envs} x {config.ppo.rollout_steps} steps on {run.mesh.size} "
         f"{run.mesh.devices.flat[0].platform} device(s)"
     )

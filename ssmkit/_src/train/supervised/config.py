@@ -99,7 +99,8 @@ MINIMUMS: dict[str, float] = {
     "train.keep_checkpoints": 1,
 }
 # Each numeric field that must be > 0.
-POSITIVE = ("optimizer.learning_rate", "optimizer.ssm_learning_rate", "optimizer.grad_clip")
+POSITIVE = ("optimizer.learning_rate", "optimizer.ssm_learning_rate", "optimizer.grad_clip",
+            *model.POSITIVE)
 
 
 def validate(config: Config) -> Config:

@@ -34,7 +34,7 @@ def learning_rate_schedule(config: OptimizerConfig, peak: float, total_steps: in
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
 
 
-def make_optimizer(config: OptimizerConfig, layer: str,
+def make_optimizer(config: OptimizerConfig, layer: str | tuple[str, ...],
                    total_steps: int) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW on three parameter groups.
 
@@ -45,7 +45,8 @@ def make_optimizer(config: OptimizerConfig, layer: str,
 
   Args:
     config: the `optimizer` section of a training config.
-    layer: the config's `model.layer`, whose declared parameter groups decide the labels.
+    layer: the registry names of the config's layers (`layer_names`), whose declared parameter
+      groups decide the labels.
     total_steps: the length of the run, for the schedule.
 
   Returns:

@@ -25,7 +25,13 @@ from ssmkit._src.train.core import metrics, parallel, schema
 from ssmkit._src.train.core import workdir as workdirs
 from ssmkit._src.train.core.errors import ConfigError
 from ssmkit._src.train.core.loop import Loop, Rhythm
-from ssmkit._src.train.core.model import TrainState, build_model, count_parameters, variables
+from ssmkit._src.train.core.model import (
+    TrainState,
+    build_model,
+    count_parameters,
+    layer_names,
+    variables,
+)
 from ssmkit._src.train.supervised.config import Config, DataConfig, TrainConfig, validate
 from ssmkit._src.train.supervised.data import TrainOrder, eval_indices, split_arrays
 from ssmkit._src.train.supervised.optim import learning_rate_schedule, make_optimizer
@@ -101,7 +107,7 @@ def setup(config: Config) -> Setup:
   model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
-  tx = make_optimizer(config.optimizer, config.model.layer, length)
+  tx = make_optimizer(config.optimizer, layer_names(config.model), length)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
   state = create_train_state(model, tx, example, params_key, config.model.mode)
@@ -183,7 +189,8 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
       run.order.restore(progress["data"])
     num_params = count_parameters(state.params)
     header = (
-        f"{config.model.layer} model with {num_params:,} parameters, {run.total_steps} steps of "
+        f"{'/'.join(layer_names(config.model))} model with {num_params:,} parameters, "
+        f"{run.total_steps} steps of "
         f"{batch_size} sequences ({run.total_steps / run.order.steps_per_epoch:.1f} epochs) on "
         f"{run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
     )
