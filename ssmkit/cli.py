@@ -1,7 +1,7 @@
 """The `ssmkit` command line.
 
     ssmkit bench {scan,rl,layers,sequence-parallel,linear-attention}
-        [--shapes small|full] [--repeats N] [--markdown]
+        [--shapes small|full] [--repeats N] [--markdown]   (layers: also --shapes long)
     ssmkit bench all [--shapes small|full] [--repeats N] [--markdown] [--budget-s S] [--output FILE]
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
@@ -66,12 +66,13 @@ def _positive_float(text: str) -> float:
   return value
 
 
-def _add_common_bench_flags(parser: argparse.ArgumentParser) -> None:
+def _add_common_bench_flags(parser: argparse.ArgumentParser, long: bool = False) -> None:
   parser.add_argument(
       "--shapes",
-      choices=("full", "small"),
+      choices=("full", "small", "long") if long else ("full", "small"),
       default="full",
-      help="'full' (minutes) or 'small' (seconds, for tests); default: full",
+      help="'full' (minutes) or 'small' (seconds, for tests)"
+      + ("; 'long': one sequence of 4096 and of 16384 steps" if long else "") + "; default: full",
   )
   parser.add_argument(
       "--repeats", type=_positive_int, default=10, help="timed samples per cell; default: 10"
@@ -83,7 +84,7 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
   benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
   for name, (_, text) in _BENCHMARKS.items():
     parser = benchmarks.add_parser(name, help=text, description=text)
-    _add_common_bench_flags(parser)
+    _add_common_bench_flags(parser, long=name == "layers")
     if name == "layers":
       parser.add_argument(
           "--layers", nargs="+", metavar="LAYER",

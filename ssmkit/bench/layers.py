@@ -32,6 +32,7 @@ from flax import nnx
 from ssmkit import layers
 from ssmkit import nnx as ssmkit_nnx
 from ssmkit._src.layers import registry
+from ssmkit._src.layers.model import layer_pattern
 from ssmkit.bench import _timing
 
 Array = jax.Array
@@ -80,6 +81,9 @@ SUITES = {
     ),
     "small": Suite((Shape(2, 17, 16),), (3,), Shape(2, 9, 4), only_modes=("sequential", REFERENCE),
                    only_layers=("LRU",)),
+    # Long single sequences, where attention's quadratic cost shows: no depth sweep.
+    "long": Suite((Shape(1, 4096, 64), Shape(1, 16384, 64)), (), Shape(1, 4096, 64),
+                  only_modes=("auto",)),
 }
 
 
@@ -113,11 +117,12 @@ def _bench_layer(name: str, shape: Shape, suite: Suite, repeats: int, key: Array
     forward, gradient = _functions(layer, mode, w)
     compiled[mode] = (_timing.compile_timed(forward, params, x)[0],
                       _timing.compile_timed(gradient, params, x)[0])
-  want = np.asarray(compiled["sequential"][0](params, x))
+  checked = "sequential" if "sequential" in compiled else next(iter(compiled))
+  want = np.asarray(compiled[checked][0](params, x))
   for mode, (forward, _) in compiled.items():
     got = np.asarray(forward(params, x))
     if not np.all(np.abs(got - want) <= _RTOL * (np.abs(want) + np.abs(want).max())):
-      raise RuntimeError(f"{name} mode {mode} disagrees with the sequential mode at {shape}.")
+      raise RuntimeError(f"{name} mode {mode} disagrees with the {checked} mode at {shape}.")
   times = [
       _timing.interleaved_medians(
           {mode: functools.partial(fns[i], params, x) for mode, fns in compiled.items()},
@@ -141,17 +146,18 @@ LAYER_HEADERS = ("layer", "shape", "mode", "fwd Mtok/s", "x parallel", "fwd+bwd 
 
 
 def _layer_rows(group: list[Result]) -> list[tuple[str, ...]]:
-  """The table rows of one layer at one shape."""
-  base = next(r for r in group if r.mode == REFERENCE)
+  """The table rows of one layer at one shape ("n/a" over the reference mode where it was not run)."""
+  base = next((r for r in group if r.mode == REFERENCE), None)
+  ratio = lambda base_s, s: "n/a" if base is None else f"{base_s / s:.2f}"
   return [
       (
           r.layer,
           str(r.shape),
           r.mode,
           _timing.significant(r.shape.batch * r.shape.length / r.forward_s / 1e6),
-          f"{base.forward_s / r.forward_s:.2f}",
+          ratio(base and base.forward_s, r.forward_s),
           _timing.significant(r.shape.batch * r.shape.length / r.backward_s / 1e6),
-          f"{base.backward_s / r.backward_s:.2f}",
+          ratio(base and base.backward_s, r.backward_s),
           _mib(r.forward_bytes),
           _mib(r.backward_bytes),
       )
@@ -164,38 +170,53 @@ class DepthResult:
   """Compile and step time of one training step of a deep model."""
 
   depth: int
+  pattern: str
   blocks: str
   compile_s: float
   step_s: float
 
 
+# The models of the compile-time comparison: LRU blocks, and Griffin's hybrid pattern (two
+# recurrent blocks per local-attention block, pre-norm blocks with GeGLU MLPs).
+DEPTH_MODELS: dict[str, dict[str, Any]] = {
+    "LRU": dict(layer=LAYERS["LRU"]),
+    "LRU, LRU, Attention": dict(
+        layer=(LAYERS["LRU"], LAYERS["LRU"], functools.partial(LAYERS["Attention"], window=64)),
+        block="mixer", norm="rms", mlp="geglu", mlp_expansion=2.0),
+}
+
+
 def _bench_depth(depth: int, shape: Shape, repeats: int, key: Array) -> list[DepthResult]:
-  """Gradient of a `depth`-block LRU classifier, blocks unrolled against `nn.scan`."""
+  """Gradient of `depth`-block classifiers of each of `DEPTH_MODELS` (those whose pattern fits in
+  `depth` blocks), unrolled and `nn.scan`."""
   x = jax.random.normal(key, (shape.batch, shape.length, shape.features))
   labels = jnp.arange(shape.batch) % 10
   results, steps = [], {}
-  for scan_blocks in (False, True):
-    model = layers.SequenceModel(num_outputs=10, layer=LAYERS["LRU"], features=shape.features,
-                                 num_blocks=depth, scan_blocks=scan_blocks)
-    params = model.init(key, x)
+  for pattern, options in DEPTH_MODELS.items():
+    if depth < len(layer_pattern(options["layer"])):  # not one whole pattern
+      continue
+    for scan_blocks in (False, True):
+      model = layers.SequenceModel(num_outputs=10, features=shape.features, num_blocks=depth,
+                                   scan_blocks=scan_blocks, **options)
+      params = model.init(key, x)
 
-    def loss(params, x, model=model):
-      logits = model.apply(params, x)
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+      def loss(params, x, model=model):
+        logits = model.apply(params, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
-    name = "nn.scan" if scan_blocks else "unrolled"
-    compiled, seconds = _timing.compile_timed(jax.grad(loss), params, x)
-    steps[name] = functools.partial(compiled, params, x)
-    results.append(DepthResult(depth, name, seconds, 0.0))
+      name = "nn.scan" if scan_blocks else "unrolled"
+      compiled, seconds = _timing.compile_timed(jax.grad(loss), params, x)
+      steps[pattern, name] = functools.partial(compiled, params, x)
+      results.append(DepthResult(depth, pattern, name, seconds, 0.0))
   times = _timing.interleaved_medians(steps, repeats=repeats)
-  return [dataclasses.replace(r, step_s=times[r.blocks]) for r in results]
+  return [dataclasses.replace(r, step_s=times[r.pattern, r.blocks]) for r in results]
 
 
 def _depth_table(results: list[DepthResult], markdown: bool) -> str:
-  rows = [(str(r.depth), r.blocks, f"{r.compile_s:.2f}", _timing.significant(r.step_s * 1e3))
+  rows = [(str(r.depth), r.pattern, r.blocks, f"{r.compile_s:.2f}", _timing.significant(r.step_s * 1e3))
           for r in results]
-  return _timing.format_table(("blocks", "applied as", "compile s", "grad step ms"), rows,
-                              markdown=markdown, labels=2)
+  return _timing.format_table(("blocks", "layer pattern", "applied as", "compile s", "grad step ms"),
+                              rows, markdown=markdown, labels=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,10 +278,10 @@ def _front_end_table(results: list[FrontEndResult], markdown: bool) -> str:
 
 
 def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None = None) -> int:
-  """Runs the suite `shapes` ("full" or "small") and prints both tables.
+  """Runs the suite `shapes` and prints its tables.
 
   Args:
-    shapes: "full" or "small".
+    shapes: "full", "small" or "long" (the `auto` mode at T=4096 and 16384, no depth sweep).
     repeats: timed samples per cell.
     markdown: print markdown tables.
     layers: names of `LAYERS` to run instead of the suite's; the depth sweep (LRU models)
@@ -296,8 +317,10 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
   if not depths:
     return 0
   print()
-  print(f"Gradient of LRU classifiers at {suite.model_shape}: blocks unrolled against nn.scan "
-        "over stacked parameters; compile s: tracing, lowering and compiling.")
+  print(f"Gradient of classifiers at {suite.model_shape}, LRU blocks and Griffin's pattern (LRU "
+        "for RG-LRU, attention with a window of 64, pre-norm blocks with GeGLU MLPs): blocks "
+        "unrolled against nn.scan over stacked parameters (per position of the pattern, and a "
+        "tail of the blocks left); compile s: tracing, lowering and compiling.")
   print()
   depth = []
   for blocks in _timing.within_budget(depths, "layers depth"):
