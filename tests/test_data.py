@@ -472,6 +472,9 @@ def test_sequence_dataset_properties_and_immutability():
         ({"mask_test": np.ones((1, 4), np.int32)}, "mask_test"),
         ({"mask_train": np.array([[True, True, False, False], [True, False, False, False]])}, "y_train"),
         ({"x_train": [[1, 2, 3, 0], [3, 0, 0, 0]]}, "x_train"),
+        ({"reset_train": np.zeros((2, 3), bool)}, "reset_train"),
+        ({"reset_test": np.zeros((1, 4), np.int32)}, "reset_test"),
+        ({"reset_test": [[True, False, False, False]]}, "reset_test"),
     ],
 )
 def test_sequence_dataset_rejects_inconsistent_fields_naming_them(changes: dict, match: str):

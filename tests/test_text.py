@@ -10,7 +10,7 @@ import pytest
 
 import compiled
 import registered
-from ssmkit import data, layers
+from ssmkit import data, layers, train
 
 TOKENIZER = data.ByteTokenizer()
 
@@ -160,3 +160,41 @@ def test_a_packed_row_gives_each_document_what_it_gets_alone(name):
     start += n + 1
   # So the row's loss is the sum of the documents' own losses.
   np.testing.assert_allclose(nll(logits, packed.targets[0]), per_document, rtol=1e-5)
+
+
+def test_the_text_dataset_is_the_packed_split_corpus(tmp_path):
+  rng = np.random.default_rng(2)
+  _write(tmp_path, {f"doc{i}.txt": "".join(rng.choice(list("abc déf\n"), rng.integers(1, 30)))
+                    for i in range(40)})
+  ds = data.load("text", path=str(tmp_path), seq_len=8, validation_fraction=0.3)
+  train, test = data.split_documents(data.read_documents(tmp_path), 0.3)
+  for split, documents, x, y, reset in (("train", train, ds.x_train, ds.y_train, ds.reset_train),
+                                        ("test", test, ds.x_test, ds.y_test, ds.reset_test)):
+    packed = data.pack_documents([TOKENIZER.encode(d.text) for d in documents], 8, 256)
+    np.testing.assert_array_equal(x, packed.inputs, err_msg=split)
+    np.testing.assert_array_equal(y, packed.targets, err_msg=split)
+    np.testing.assert_array_equal(reset, packed.reset, err_msg=split)
+  assert (ds.vocab_size, ds.num_classes, ds.per_step) == (257, 257, True)
+  with pytest.raises(ValueError, match="`seq_len`"):
+    data.load("text", path=str(tmp_path), seq_len=1)
+
+
+def test_training_on_text_passes_each_document_start_as_a_reset(tmp_path):
+  """The run's own test loss is the model's loss with the dataset's resets, not without."""
+  corpus = tmp_path / "corpus"
+  rng = np.random.default_rng(3)
+  _write(corpus, {f"doc{i}.txt": "".join(rng.choice(list("xyz \n"), rng.integers(2, 12)))
+                  for i in range(60)})
+  kwargs = dict(path=str(corpus), seq_len=16, validation_fraction=0.3)
+  config = train.load_config(None, [
+      "data.name=text", f"data.kwargs={kwargs}", "data.batch_size=4", "model.pooling=none",
+      "model.layer=gated_deltanet", "model.layer_kwargs={num_heads: 2}", "model.features=8",
+      "model.num_blocks=1", "train.steps=3", "train.eval_every=0", "mesh.data=1"])
+  summary = train.train_and_evaluate(config, tmp_path / "run")
+  model, variables, _ = train.load(tmp_path / "run")
+  ds = data.text(**kwargs)
+  nll = lambda logits: float(np.mean(-np.take_along_axis(
+      np.asarray(jax.nn.log_softmax(logits)), ds.y_test[..., None], axis=-1)))
+  with_resets = nll(model.apply(variables, ds.x_test, None, ds.reset_test))
+  np.testing.assert_allclose(summary["test_loss"], with_resets, rtol=1e-4)
+  assert abs(nll(model.apply(variables, ds.x_test)) - with_resets) > 1e-3

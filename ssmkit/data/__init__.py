@@ -17,6 +17,7 @@ from ssmkit._src.data.text import (
     pack_documents,
     read_documents,
     split_documents,
+    text,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "selective_copying",
     "sequential_digits",
     "split_documents",
+    "text",
 ]

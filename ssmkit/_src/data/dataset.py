@@ -31,6 +31,9 @@ class SequenceDataset:
       sequence has a real first step. None means every step is real. Per-step targets must be -1
       on padding.
     mask_test: optional `(M, T)` bool, like `mask_train`.
+    reset_train: optional `(N, T)` bool, True where a new document starts inside a sequence
+      (packed documents): the model's state is cleared before that step. None: no resets.
+    reset_test: optional `(M, T)` bool, like `reset_train`.
 
   Examples:
     >>> import numpy as np
@@ -50,6 +53,8 @@ class SequenceDataset:
   vocab_size: int | None = None
   mask_train: np.ndarray | None = None
   mask_test: np.ndarray | None = None
+  reset_train: np.ndarray | None = None
+  reset_test: np.ndarray | None = None
 
   @classmethod
   def split(cls, x: np.ndarray, y: np.ndarray, num_train: int, *, num_classes: int,
@@ -86,7 +91,8 @@ class SequenceDataset:
   def _check_split(self, split: str) -> None:
     x_name, y_name, mask_name = f"x_{split}", f"y_{split}", f"mask_{split}"
     x, y, mask = getattr(self, x_name), getattr(self, y_name), getattr(self, mask_name)
-    for name, array in ((x_name, x), (y_name, y), (mask_name, mask)):
+    reset = getattr(self, f"reset_{split}")
+    for name, array in ((x_name, x), (y_name, y), (mask_name, mask), (f"reset_{split}", reset)):
       if array is not None and not isinstance(array, np.ndarray):
         raise TypeError(f"`{name}` must be a NumPy array, got {type(array).__name__}.")
     if self.vocab_size is None:
@@ -109,6 +115,9 @@ class SequenceDataset:
     lowest = -1 if y.ndim == 2 else 0
     if np.any((y < lowest) | (y >= self.num_classes)):
       raise ValueError(f"`{y_name}` has targets outside [{lowest}, num_classes={self.num_classes}).")
+    if reset is not None and (reset.dtype != np.bool_ or reset.shape != (num, length)):
+      raise ValueError(f"`reset_{split}` must be ({num}, {length}) bool, got {reset.shape} "
+                       f"{reset.dtype}.")
     if mask is None:
       return
     if mask.dtype != np.bool_ or mask.shape != (num, length):

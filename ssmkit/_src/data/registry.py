@@ -13,6 +13,7 @@ from ssmkit._src.data.listops import listops
 from ssmkit._src.data.mnist1d import mnist1d
 from ssmkit._src.data.mqar import mqar
 from ssmkit._src.data.selective_copying import selective_copying
+from ssmkit._src.data.text import text
 
 _DATASETS: dict[str, Callable[..., SequenceDataset]] = {
     "induction_heads": induction_heads,
@@ -21,6 +22,7 @@ _DATASETS: dict[str, Callable[..., SequenceDataset]] = {
     "mqar": mqar,
     "selective_copying": selective_copying,
     "sequential_digits": sequential_digits,
+    "text": text,
 }
 
 
@@ -29,7 +31,7 @@ def load(name: str, **kwargs: Any) -> SequenceDataset:
 
   Args:
     name: one of "induction_heads", "listops", "mnist1d", "mqar", "selective_copying",
-      "sequential_digits", the names of the functions of `ssmkit.data` that build them.
+      "sequential_digits", "text", the names of the functions of `ssmkit.data` that build them.
     **kwargs: keyword arguments of that function.
 
   Returns:

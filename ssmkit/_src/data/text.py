@@ -19,6 +19,7 @@ import sysconfig
 import numpy as np
 
 from ssmkit._src.data.arguments import check_fraction, check_int
+from ssmkit._src.data.dataset import SequenceDataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,3 +204,36 @@ def pack_documents(documents: list[np.ndarray], seq_len: int, eod: int) -> Packe
   starts[np.cumsum([0, *map(len, pieces[:-1])])] = True
   return PackedTokens(inputs=cut(0), targets=cut(1),
                       reset=starts[:rows * seq_len].reshape(rows, seq_len))
+
+
+def text(*, path: str | None = None, seq_len: int = 256, validation_fraction: float = 0.05
+         ) -> SequenceDataset:
+  """Next-byte prediction on a text corpus: packed rows of bytes, documents kept apart by resets.
+
+  The documents of `path` (`read_documents`; by default the Python standard library's code)
+  are split by name (`split_documents`), tokenised as bytes (`ByteTokenizer`, 257 tokens) and
+  packed into rows of `seq_len` (`pack_documents`). Each target is the next token; each
+  document's first step is a reset (`reset_train`, `reset_test`), which `ssmkit train` passes
+  to the model. Test accuracy is next-token accuracy, and the test loss in nats per token
+  over ln 2 is bits per token (per byte but for the end-of-document tokens).
+
+  Args:
+    path: a text file, a folder or a glob; None for the standard library's source files.
+    seq_len: steps per row, at least 2.
+    validation_fraction: the fraction of documents held out, by a hash of each name.
+
+  Returns:
+    A `SequenceDataset` of `(N, seq_len)` int32 tokens and targets with `vocab_size` and
+    `num_classes` 257.
+
+  Raises:
+    ValueError: naming `path`, `seq_len` or `validation_fraction` (see the functions above).
+  """
+  tokenizer = ByteTokenizer()
+  train, test = (pack_documents([tokenizer.encode(d.text) for d in split], seq_len, tokenizer.eod)
+                 for split in split_documents(read_documents(path), validation_fraction))
+  return SequenceDataset(x_train=train.inputs, y_train=train.targets, x_test=test.inputs,
+                         y_test=test.targets, num_classes=tokenizer.vocab_size,
+                         vocab_size=tokenizer.vocab_size, reset_train=train.reset,
+                         reset_test=test.reset)
+

@@ -23,11 +23,12 @@ Arrays = dict[str, np.ndarray]
 
 
 def split_arrays(dataset: SequenceDataset, split: str) -> Arrays:
-  """The "x", "y" and (if the dataset has one) "mask" arrays of the "train" or "test" split."""
+  """The "x", "y" and (where the dataset has them) "mask" and "reset" arrays of the "train" or
+  "test" split."""
   arrays = {"x": getattr(dataset, f"x_{split}"), "y": getattr(dataset, f"y_{split}")}
-  mask = getattr(dataset, f"mask_{split}")
-  if mask is not None:
-    arrays["mask"] = mask
+  for key in ("mask", "reset"):
+    if getattr(dataset, f"{key}_{split}") is not None:
+      arrays[key] = getattr(dataset, f"{key}_{split}")
   return arrays
 
 

@@ -75,7 +75,8 @@ def train_step(state: TrainState, batch: Batch, rng: Array) -> tuple[TrainState,
 
   Args:
     state: the current state.
-    batch: "x" `(B, T, F)` or `(B, T)` tokens, "y" `(B,)` or `(B, T)`, optionally "mask" `(B, T)`.
+    batch: "x" `(B, T, F)` or `(B, T)` tokens, "y" `(B,)` or `(B, T)`, optionally "mask" and
+      "reset" `(B, T)`.
     rng: the run's dropout key; the step's key is `fold_in(rng, state.step)`, so a resumed run
       draws the same dropout masks.
 
@@ -89,6 +90,7 @@ def train_step(state: TrainState, batch: Batch, rng: Array) -> tuple[TrainState,
         {"params": params, "batch_stats": state.batch_stats},
         batch["x"],
         batch.get("mask"),
+        batch.get("reset"),
         train=True,
         rngs={"dropout": dropout_key},
         mutable=["batch_stats"],
@@ -114,7 +116,7 @@ def eval_step(state: TrainState, batch: Batch) -> dict[str, Array]:
   """
   logits = state.apply_fn(
       {"params": state.params, "batch_stats": state.batch_stats}, batch["x"], batch.get("mask"),
-      train=False,
+      batch.get("reset"), train=False,
   )
   return metric_sums(logits, batch)
 
@@ -127,7 +129,8 @@ def train_steps(state: TrainState, arrays: Batch, indices: Array, count: Array, 
 
   Args:
     state: the state before the first step.
-    arrays: the train split on the device: "x" `(N, T, F)` or `(N, T)`, "y", optionally "mask".
+    arrays: the train split on the device: "x" `(N, T, F)` or `(N, T)`, "y", optionally "mask"
+      and "reset".
     indices: `(K, B)` int32 example indices of the batches; rows past `count` are ignored.
     count: int32 number of steps, at most K.
     rng: the run's dropout key (see `train_step`).

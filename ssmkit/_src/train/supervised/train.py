@@ -263,8 +263,9 @@ def load(workdir: str | pathlib.Path,
     step: the checkpoint's step; default the latest.
 
   Returns:
-    `(model, variables, config)`: `model.apply(variables, x, mask)` runs in evaluation mode
-    on the inputs of the config's dataset (e.g. `ssmkit.data.mnist1d(...).x_test`).
+    `(model, variables, config)`: `model.apply(variables, x, mask, reset)` runs in evaluation
+    mode on the inputs of the config's dataset (e.g. `ssmkit.data.mnist1d(...).x_test`; the
+    `reset_test` of a dataset that has them, as `text`).
 
   Raises:
     FileNotFoundError: if `workdir` has no config, or no checkpoint (of `step`).
