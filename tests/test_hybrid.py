@@ -1,5 +1,6 @@
-"""`MixerBlock`, layer patterns and language-model heads: the block against its formula in float64,
-hybrid models against themselves run another way (step by step, scanned, each document alone)."""
+"""`MixerBlock`, layer patterns, language-model heads and mixed precision: the block against its
+formula in float64, hybrid models against themselves run another way (step by step, scanned,
+each document alone, in float32)."""
 
 import functools
 
@@ -220,6 +221,41 @@ def test_hybrid_gradients_are_finite_and_reach_every_block():
   for part in ("blocks", "tail"):
     for name, tree in grads[part].items():
       assert any(np.any(g != 0) for g in jax.tree.leaves(tree)), (part, name)
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_bfloat16_computation_tracks_float32_with_float32_parameters(pattern):
+  """`dtype=bfloat16`: the same parameters (float32, unchanged), activations in bfloat16, and
+  outputs, steps and gradients within bfloat16's rounding of the float32 model's."""
+  full = _model(pattern, num_blocks=3, scan_blocks=True)
+  mixed = _model(pattern, num_blocks=3, scan_blocks=True, dtype=jnp.bfloat16)
+  x, reset = _tokens((2, 12), 7), np.random.default_rng(8).random((2, 12)) < 0.2
+  variables = compiled.init(mixed, x.shape, 0, "int32")
+  assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+  assert (jax.tree.structure(variables)
+          == jax.tree.structure(compiled.init(full, x.shape, 0, "int32")))
+  y_full = np.asarray(compiled.run(full)(variables, x, None, reset), np.float32)
+  y_mixed = compiled.run(mixed)(variables, x, None, reset)
+  assert y_mixed.dtype == jnp.bfloat16
+  scale = np.abs(y_full).max()
+  assert np.abs(np.asarray(y_mixed, np.float32) - y_full).max() < 0.05 * scale
+  # Step by step in bfloat16, as the sequence in bfloat16.
+  step = compiled.run(mixed, method="step")
+  state, stepped = mixed.initialize_state((2,)), []
+  for t in range(x.shape[1]):
+    state, y_t = step(variables, state, x[:, t], reset[:, t])
+    stepped.append(np.asarray(y_t, np.float32))
+  assert np.abs(np.stack(stepped, 1) - np.asarray(y_mixed, np.float32)).max() < 0.05 * scale
+
+  def gradient(model):
+    loss = lambda p: jnp.mean(jnp.square(model.apply({"params": p}, x, None, reset).astype(jnp.float32)))
+    return jax.jit(jax.grad(loss))(variables["params"])
+
+  g_full, g_mixed = (np.concatenate([np.ravel(g) for g in jax.tree.leaves(gradient(m))])
+                     for m in (full, mixed))
+  assert g_mixed.dtype == np.float32 and np.all(np.isfinite(g_mixed))
+  cosine = g_full @ g_mixed / np.linalg.norm(g_full) / np.linalg.norm(g_mixed)
+  assert cosine > 0.99
 
 
 @pytest.mark.parametrize(

@@ -326,9 +326,9 @@ MODELS = {
         layer=("RGLRU", "RGLRU", "Attention"), block="mixer", mlp="geglu", mlp_expansion=1.5,
         num_blocks=4, scan_blocks=True, vocab_size=7, num_outputs=7, pooling="none",
         tie_embeddings=True, scale_embeddings=True, logit_cap=3.0),
-    "Mamba-Attention-unrolled-swiglu": dict(layer=("Mamba", "Attention"), block="mixer", norm="rms",
-                                            mlp="swiglu", mlp_bias=True, num_blocks=3,
-                                            pooling="last"),
+    "Mamba-Attention-unrolled-swiglu-bfloat16": dict(
+        layer=("Mamba", "Attention"), block="mixer", norm="rms", mlp="swiglu", mlp_bias=True,
+        num_blocks=3, pooling="last", dtype=jnp.bfloat16),
 }
 
 

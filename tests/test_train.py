@@ -336,6 +336,17 @@ def test_bad_patterns_and_block_options_are_named_before_anything_is_written(ove
   assert not workdir.exists()
 
 
+def test_mixed_precision_is_a_dtype_name_of_the_model_section():
+  config = train.load_config("mnist1d_lru", ["model.dtype=bfloat16"])
+  model = train.core.build_model(config.model, num_outputs=3, vocab_size=None)
+  assert (model.dtype, model.param_dtype) == (jnp.bfloat16, jnp.float32)
+  assert train.core.build_model(_config().model, 3, None).dtype is None
+  for override, key in [("model.dtype=int32", "model.dtype"), ("model.dtype=bfloat17", "model.dtype"),
+                        ("model.param_dtype=bool", "model.param_dtype")]:
+    with pytest.raises(train.ConfigError, match=rf"`{key}` must be a floating dtype name"):
+      train.core.build_model(train.load_config("mnist1d_lru", [override]).model, 3, None)
+
+
 def test_switching_between_a_layer_and_a_pattern_drops_the_old_arguments():
   config = train.load_config("mnist1d_lru", ["model.layer=[lru, attention]"])
   assert (config.model.layer, config.model.layer_kwargs) == (["lru", "attention"], {})

@@ -131,26 +131,45 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
 class Norm(nn.Module):
   """LayerNorm, RMSNorm or BatchNorm over the feature axis; BatchNorm skips masked steps.
 
+  `dtype` is the dtype of its outputs (None: its inputs'; statistics are taken in float32 for
+  narrower inputs), `param_dtype` that of its scale and bias.
+
   BatchNorm uses batch statistics and updates the "batch_stats" collection when `train`, and
   its running averages (momentum 0.9) otherwise, which makes it a per-step map at inference.
   """
 
   kind: str = "layer"
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False) -> Array:
     check_choice(self.kind, NORMS, "norm")
+    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     if self.kind == "layer":
-      return nn.LayerNorm()(x)
+      return nn.LayerNorm(**precision)(x)
     if self.kind == "rms":
-      return nn.RMSNorm()(x)
-    return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x, mask=expand_mask(mask, x))
+      return nn.RMSNorm(**precision)(x)
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9, **precision)(
+        x, mask=expand_mask(mask, x))
 
 
 class _Block(nn.Module):
-  """What every block offers around its carry-first `forward`: sequences, zero state, one step."""
+  """What every block offers around its carry-first `forward`: sequences, zero state, one step.
+
+  `dtype` is the computation dtype of its norms and projections (None: that of their inputs
+  and parameters), `param_dtype` the dtype of their parameters; the layer has its own.
+  """
 
   layer: ModuleDef = LRU
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  def _norm(self, name: str) -> Norm:
+    return Norm(self.norm, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+  def _dense(self, features: int, name: str, **options: Any) -> nn.Dense:
+    return nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype, name=name, **options)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
@@ -237,15 +256,15 @@ class SSMBlock(_Block):
       train: dropout on and BatchNorm on batch statistics.
     """
     check_choice(self.activation, ACTIVATIONS, "activation")
-    norm = Norm(self.norm, name="norm")
+    norm = self._norm("norm")
     ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
                             single_step=single_step, return_state=return_state, mode=mode)
     width = x.shape[-1]
     return residual(
         x, mask, ssm, norm=lambda u: norm(u, mask, train=train),
         dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
-        value=nn.Dense(width, name="glu_value") if self.activation == "glu" else None,
-        gate=nn.Dense(width, name="glu_gate") if self.activation != "gelu" else None,
+        value=self._dense(width, "glu_value") if self.activation == "glu" else None,
+        gate=self._dense(width, "glu_gate") if self.activation != "gelu" else None,
         prenorm=self.prenorm)
 
 
@@ -284,18 +303,18 @@ class MixerBlock(_Block):
     """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (arguments as
     `SSMBlock.forward`'s)."""
     check_choice(self.mlp, MLPS, "mlp")
-    norm = Norm(self.norm, name="norm")
+    norm = self._norm("norm")
     mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
                               single_step=single_step, return_state=return_state, mode=mode)
     mlp = mlp_norm = None
     if self.mlp != "none":
-      mlp_norm = functools.partial(Norm(self.norm, name="mlp_norm"), mask=mask, train=train)
-      dense = functools.partial(nn.Dense, use_bias=self.mlp_bias)
+      mlp_norm = functools.partial(self._norm("mlp_norm"), mask=mask, train=train)
+      dense = functools.partial(self._dense, use_bias=self.mlp_bias)
       hidden = mlp_width(x.shape[-1], self.mlp_expansion)
       mlp = functools.partial(
-          feed_forward, kind=self.mlp, up=dense(hidden, name="mlp_up"),
-          gate=dense(hidden, name="mlp_gate") if self.mlp != "gelu" else None,
-          down=dense(x.shape[-1], name="mlp_down"))
+          feed_forward, kind=self.mlp, up=dense(hidden, "mlp_up"),
+          gate=dense(hidden, "mlp_gate") if self.mlp != "gelu" else None,
+          down=dense(x.shape[-1], "mlp_down"))
     return mixer_residual(x, mask, mixer, norm=lambda u: norm(u, mask, train=train),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
                           mlp_norm=mlp_norm, mlp=mlp)

@@ -157,6 +157,11 @@ class SequenceModel(nn.Module):
       `num_outputs`); no separate decoder.
     scale_embeddings: multiply token embeddings by sqrt(`features`) (Gemma, RecurrentGemma).
     logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
+    dtype: the computation dtype of the model's activations, embeddings, norms and
+      projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
+      parameters. The layers take their inputs in it and keep their recurrences in float32.
+    param_dtype: the dtype of the model's own parameters (encoder, norms, projections,
+      decoder); the layers' parameters follow their own `param_dtype`.
   """
 
   num_outputs: int
@@ -177,6 +182,8 @@ class SequenceModel(nn.Module):
   tie_embeddings: bool = False
   scale_embeddings: bool = False
   logit_cap: float | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self) -> None:
     if isinstance(self.layer, list):  # a list would make the module unhashable (`generate` hashes it)
@@ -185,13 +192,14 @@ class SequenceModel(nn.Module):
 
   def _blocks(self) -> tuple[ModuleDef, ...]:
     """One block factory per position of the layer pattern."""
+    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     if self.block == "ssm":
       options = dict(norm=self.norm, activation=self.activation, dropout_rate=self.dropout_rate,
-                     prenorm=self.prenorm)
+                     prenorm=self.prenorm, **precision)
       return tuple(functools.partial(SSMBlock, layer=make, **options)
                    for make in layer_pattern(self.layer))
     options = dict(norm=self.norm, mlp=self.mlp, mlp_expansion=self.mlp_expansion,
-                   mlp_bias=self.mlp_bias, dropout_rate=self.dropout_rate)
+                   mlp_bias=self.mlp_bias, dropout_rate=self.dropout_rate, **precision)
     return tuple(functools.partial(MixerBlock, layer=make, **options)
                  for make in layer_pattern(self.layer))
 
@@ -230,20 +238,24 @@ class SequenceModel(nn.Module):
                return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
     check_model(self)
+    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     if self.vocab_size is None:
-      encoder = nn.Dense(self.features, name="encoder")
+      encoder = nn.Dense(self.features, name="encoder", **precision)
     else:
-      encoder = nn.Embed(self.vocab_size, self.features, name="encoder")
+      encoder = nn.Embed(self.vocab_size, self.features, name="encoder", **precision)
     x = encoder(x)
     if self.scale_embeddings:
       x = x * jnp.sqrt(self.features).astype(x.dtype)
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
                                 return_state=return_state, mode=mode, train=train)
     if self.prenorm:
-      x = Norm(self.norm, name="final_norm")(x, mask, train=train)
+      x = Norm(self.norm, name="final_norm", **precision)(x, mask, train=train)
     if not single_step:
       x = pool(x, mask, self.pooling)
-    y = encoder.attend(x) if self.tie_embeddings else nn.Dense(self.num_outputs, name="decoder")(x)
+    if self.tie_embeddings:
+      y = encoder.attend(x)
+    else:
+      y = nn.Dense(self.num_outputs, name="decoder", **precision)(x)
     return state, cap_logits(y, self.logit_cap)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ssmkit._src.layers import common
@@ -34,12 +35,14 @@ NORM_MODULES: dict[str, type[Norm]] = {"layer": nnx.LayerNorm, "rms": nnx.RMSNor
                                        "batch": nnx.BatchNorm}
 
 
-def make_norm(kind: str, features: int, rngs: nnx.Rngs) -> Norm:
+def make_norm(kind: str, features: int, rngs: nnx.Rngs, *, dtype: Any = None,
+              param_dtype: Any = jnp.float32) -> Norm:
   """The norm "layer", "rms" or "batch" over `features`, with the linen block's settings."""
   check_choice(kind, NORMS, "norm")
+  precision = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
   if kind == "batch":
-    return nnx.BatchNorm(features, momentum=0.9, rngs=rngs)
-  return NORM_MODULES[kind](features, rngs=rngs)
+    return nnx.BatchNorm(features, momentum=0.9, **precision)
+  return NORM_MODULES[kind](features, **precision)
 
 
 def norm_kind(norm: Norm) -> str:
@@ -123,14 +126,16 @@ class SSMBlock(_Block):
 
   _layer_name = "ssm"
 
-  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, norm: str = "layer",
-               activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
-               rngs: nnx.Rngs):
+  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
+               param_dtype: Any = jnp.float32, norm: str = "layer", activation: str = "glu",
+               dropout_rate: float = 0.0, prenorm: bool = True, rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
       features: the width H of inputs and outputs.
       layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`.
+      dtype: the computation dtype of the norm and projections; None: their inputs'.
+      param_dtype: the dtype of their parameters (the layer has its own).
       norm: "layer", "batch" or "rms".
       activation: "gelu", "glu" or "half_glu".
       dropout_rate: dropout after the activation and after the GLU, in training mode.
@@ -142,10 +147,12 @@ class SSMBlock(_Block):
     self.features = features
     self.activation = activation
     self.prenorm = prenorm
-    self.norm = make_norm(norm, features, rngs)
+    self.dtype, self.param_dtype = dtype, param_dtype
+    self.norm = make_norm(norm, features, rngs, dtype=dtype, param_dtype=param_dtype)
     self.ssm = layer(features, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
-    linear = functools.partial(nnx.Linear, features, features, rngs=rngs)
+    linear = functools.partial(nnx.Linear, features, features, dtype=dtype, param_dtype=param_dtype,
+                               rngs=rngs)
     self.glu_value = linear() if activation == "glu" else None
     self.glu_gate = linear() if activation != "gelu" else None
 
@@ -181,14 +188,17 @@ class MixerBlock(_Block):
 
   _layer_name = "mixer"
 
-  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, norm: str = "rms",
-               mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
-               dropout_rate: float = 0.0, rngs: nnx.Rngs):
+  def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
+               param_dtype: Any = jnp.float32, norm: str = "rms", mlp: str = "none",
+               mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
+               rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
       features: the width H of inputs and outputs.
       layer: factory of the mixer, e.g. `functools.partial(ssmkit.nnx.Attention, window=64)`.
+      dtype: the computation dtype of the norms and the MLP; None: their inputs'.
+      param_dtype: the dtype of their parameters (the layer has its own).
       norm: "rms", "layer" or "batch".
       mlp: "none", "gelu", "geglu" or "swiglu" (see `ssmkit.layers.MixerBlock`).
       mlp_expansion: the MLP's hidden width over `features`.
@@ -202,13 +212,15 @@ class MixerBlock(_Block):
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
     self.mlp_bias = mlp_bias
-    self.norm = make_norm(norm, features, rngs)
+    self.dtype, self.param_dtype = dtype, param_dtype
+    precision = dict(dtype=dtype, param_dtype=param_dtype)
+    self.norm = make_norm(norm, features, rngs, **precision)
     self.mixer = layer(features, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     hidden = mlp_width(features, mlp_expansion)
-    linear = functools.partial(nnx.Linear, use_bias=mlp_bias, rngs=rngs)
+    linear = functools.partial(nnx.Linear, use_bias=mlp_bias, rngs=rngs, **precision)
     has_mlp = mlp != "none"
-    self.mlp_norm = make_norm(norm, features, rngs) if has_mlp else None
+    self.mlp_norm = make_norm(norm, features, rngs, **precision) if has_mlp else None
     self.mlp_up = linear(features, hidden) if has_mlp else None
     self.mlp_gate = linear(features, hidden) if mlp in ("geglu", "swiglu") else None
     self.mlp_down = linear(hidden, features) if has_mlp else None

@@ -32,7 +32,8 @@ Module = Layer | SSMBlock | MixerBlock | SequenceModel
 # The options of a `SequenceModel` beside its layers, by the same names in both front ends.
 _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
                   "activation", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm",
-                  "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap")
+                  "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap", "dtype",
+                  "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
 _COLLECTIONS: dict[type[nnx.Variable], str] = {nnx.Param: "params", nnx.BatchStat: "batch_stats"}
@@ -99,9 +100,9 @@ def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
 
 def _block_options(block: Any) -> dict[str, Any]:
   """The options of a linen block, but its layer."""
-  names = ("norm", "activation", "dropout_rate", "prenorm")
+  names = ("norm", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype")
   if isinstance(block, linen_block.MixerBlock):
-    names = ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate")
+    names = ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype", "param_dtype")
   return {name: getattr(block, name) for name in names}
 
 
@@ -195,11 +196,13 @@ def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
   elif isinstance(model, SSMBlock):
     module = linen_block.SSMBlock(
         layer=_linen_factory(model.ssm), norm=norm_kind(model.norm), activation=model.activation,
-        dropout_rate=model.dropout.rate, prenorm=model.prenorm)
+        dropout_rate=model.dropout.rate, prenorm=model.prenorm, dtype=model.dtype,
+        param_dtype=model.param_dtype)
   elif isinstance(model, MixerBlock):
     module = linen_block.MixerBlock(
         layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), mlp=model.mlp,
-        mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias, dropout_rate=model.dropout.rate)
+        mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias, dropout_rate=model.dropout.rate,
+        dtype=model.dtype, param_dtype=model.param_dtype)
   elif isinstance(model, Layer):
     module = type(model).linen(**_options(model))
   else:

@@ -69,7 +69,8 @@ class SequenceModel(nnx.Module):
                activation: str = "glu", mlp: str = "none", mlp_expansion: float = 4.0,
                mlp_bias: bool = False, dropout_rate: float = 0.0, prenorm: bool = True,
                scan_blocks: bool = False, tie_embeddings: bool = False,
-               scale_embeddings: bool = False, logit_cap: float | None = None, rngs: nnx.Rngs):
+               scale_embeddings: bool = False, logit_cap: float | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
     Args:
@@ -95,6 +96,9 @@ class SequenceModel(nnx.Module):
         `num_outputs`).
       scale_embeddings: multiply token embeddings by sqrt(`features`).
       logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
+      dtype: the computation dtype of the activations, embeddings, norms and projections
+        (e.g. `jnp.bfloat16`); None: that of the inputs and parameters.
+      param_dtype: the dtype of the model's own parameters (the layers have their own).
       rngs: the parameters' and dropout's random streams.
     """
     if (in_features is None) == (vocab_size is None):
@@ -119,18 +123,21 @@ class SequenceModel(nnx.Module):
     self.tie_embeddings = tie_embeddings
     self.scale_embeddings = scale_embeddings
     self.logit_cap = logit_cap
+    self.dtype, self.param_dtype = dtype, param_dtype
     check_model(self)
+    precision = dict(dtype=dtype, param_dtype=param_dtype)
     if vocab_size is None:
-      self.encoder = nnx.Linear(in_features, features, rngs=rngs)
+      self.encoder = nnx.Linear(in_features, features, rngs=rngs, **precision)
     else:
-      self.encoder = nnx.Embed(vocab_size, features, rngs=rngs)
+      self.encoder = nnx.Embed(vocab_size, features, rngs=rngs, **precision)
     if block == "ssm":
-      options = dict(norm=norm, activation=activation, dropout_rate=dropout_rate, prenorm=prenorm)
+      options = dict(norm=norm, activation=activation, dropout_rate=dropout_rate, prenorm=prenorm,
+                     **precision)
       blocks = [functools.partial(SSMBlock, features, layer=make, **options)
                 for make in layer_pattern(layer)]
     else:
       options = dict(norm=norm, mlp=mlp, mlp_expansion=mlp_expansion, mlp_bias=mlp_bias,
-                     dropout_rate=dropout_rate)
+                     dropout_rate=dropout_rate, **precision)
       blocks = [functools.partial(MixerBlock, features, layer=make, **options)
                 for make in layer_pattern(layer)]
     tail = None
@@ -144,8 +151,9 @@ class SequenceModel(nnx.Module):
       self.blocks = nnx.List([stack(make, repeats) for make in blocks])
       tail = nnx.List([stack(make, 1) for make in blocks[:rest]]) if rest else None
     self.tail = tail
-    self.final_norm = make_norm(norm, features, rngs) if prenorm else None
-    self.decoder = None if tie_embeddings else nnx.Linear(features, num_outputs, rngs=rngs)
+    self.final_norm = make_norm(norm, features, rngs, **precision) if prenorm else None
+    self.decoder = None if tie_embeddings else nnx.Linear(features, num_outputs, rngs=rngs,
+                                                          **precision)
 
   def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
                   **flags: Any) -> tuple[Array, Any]:

@@ -72,6 +72,12 @@ class ModelConfig:
   scale_embeddings: bool = False
   # Soft-cap the outputs to logit_cap * tanh(y / logit_cap); null for none.
   logit_cap: float | None = None
+  # Computation dtype of activations, norms and projections, e.g. bfloat16 for mixed precision
+  # (the layers keep their recurrences in float32); null: that of the inputs and parameters.
+  dtype: str | None = None
+  # Dtype of the model's own parameters (embedding, norms, projections); the layers' follow
+  # their `param_dtype` keyword argument.
+  param_dtype: str = "float32"
   # Scan mode of the SSM layers.
   mode: str = "auto"
 
@@ -248,6 +254,8 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
       num_outputs=num_outputs,
       layer=pattern if isinstance(config.layer, list | tuple) else pattern[0],
       vocab_size=vocab_size,
+      dtype=None if config.dtype is None else _float_dtype(config.dtype, "model.dtype"),
+      param_dtype=_float_dtype(config.param_dtype, "model.param_dtype"),
       **{name: getattr(config, name) for name in _MODEL_OPTIONS},
   )
   try:
@@ -256,6 +264,18 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
     # The option a model error names first is the one at fault: name it by its config key.
     raise ConfigError(re.sub(r"`(\w+)`", r"`model.\1`", str(error), count=1)) from None
   return model
+
+
+def _float_dtype(name: str, key: str) -> np.dtype:
+  """The floating dtype called `name`; a ConfigError naming `key` for anything else."""
+  try:
+    dtype = jnp.dtype(name)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ConfigError(f"`{key}` must be a floating dtype name (bfloat16, float16, float32), got "
+                      f"{name!r}.")
+  return dtype
 
 
 def _pattern_position(names: list[Any], length: int) -> int:
