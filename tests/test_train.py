@@ -170,7 +170,7 @@ def test_unknown_config_lists_the_shipped_ones():
 
 
 def test_unknown_task_is_named():
-  message = r"`task` must be one of \('supervised', 'ppo'\), got 'rl'"
+  message = r"`task` must be one of \('supervised', 'lm', 'ppo'\), got 'rl'"
   with pytest.raises(train.ConfigError, match=message):
     train.load_config("mnist1d_lru", ["task=rl"])
 

@@ -5,15 +5,16 @@
     model, variables, config = ssmkit.train.load("runs/lru")
     logits = model.apply(variables, ssmkit.data.mnist1d().x_test)
 
-Every config declares its task kind: `task: supervised` (the default; `Config`) or `task: ppo`.
-The building blocks of each kind are in `ssmkit.train.supervised` and `ssmkit.train.ppo`; what
+Every config declares its task kind: `task: supervised` (the default; `Config`), `task: lm` or
+`task: ppo`. The building blocks of each kind are in `ssmkit.train.supervised`, `ssmkit.train.lm`
+and `ssmkit.train.ppo`; what
 they share (the model section, the devices, the registry of task kinds) in `ssmkit.train.core`.
 """
 
 from ssmkit._src.train.core.errors import ConfigError, Interrupted
 from ssmkit._src.train.registry import evaluate, load, load_config, shipped_configs, train_and_evaluate
 from ssmkit._src.train.supervised.config import Config
-from ssmkit.train import core, ppo, supervised
+from ssmkit.train import core, lm, ppo, supervised
 
 __all__ = [
     "Config",
@@ -21,6 +22,7 @@ __all__ = [
     "Interrupted",
     "core",
     "evaluate",
+    "lm",
     "load",
     "load_config",
     "ppo",

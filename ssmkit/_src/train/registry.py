@@ -18,6 +18,8 @@ import yaml
 from ssmkit._src.train.core import schema
 from ssmkit._src.train.core import workdir as workdirs
 from ssmkit._src.train.core.errors import ConfigError
+from ssmkit._src.train.lm import config as lm_config
+from ssmkit._src.train.lm import train as lm_train
 from ssmkit._src.train.ppo import config as ppo_config
 from ssmkit._src.train.ppo import train as ppo_train
 from ssmkit._src.train.supervised import config as supervised_config
@@ -71,6 +73,19 @@ TASKS: dict[str, TaskKind] = {
             evaluate=supervised_train.evaluate,
             load=supervised_train.load,
             metric="test_accuracy",
+        ),
+        TaskKind(
+            name="lm",
+            description="a SequenceModel language model on packed documents of text, in bits per byte",
+            schema=lm_config.LMConfig,
+            validate=lm_config.validate,
+            choices=lm_config.CHOICES,
+            minimums=lm_config.MINIMUMS,
+            positive=lm_config.POSITIVE,
+            train_and_evaluate=lm_train.train_and_evaluate,
+            evaluate=lm_train.evaluate,
+            load=lm_train.load,
+            metric="test_bits_per_byte",
         ),
         TaskKind(
             name="ppo",

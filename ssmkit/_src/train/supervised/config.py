@@ -110,7 +110,14 @@ def validate(config: Config) -> Config:
     ConfigError: naming the first field with a value outside its choices or range, or a layer
       keyword argument the layer does not have or of another type.
   """
-  schema.check_values(config, CHOICES, MINIMUMS, POSITIVE)
+  return check_run(config, CHOICES, MINIMUMS, POSITIVE)
+
+
+def check_run(config: Any, choices: dict[str, tuple[str, ...]], minimums: dict[str, float],
+              positive: tuple[str, ...]) -> Any:
+  """`validate` for any schema with this one's `model`, `optimizer` and `train` sections, with
+  that schema's choices and ranges; returns `config`."""
+  schema.check_values(config, choices, minimums, positive)
   if config.optimizer.weight_decay < 0:
     raise ConfigError(f"`optimizer.weight_decay` must be >= 0, got {config.optimizer.weight_decay}.")
   if not 0 <= config.model.dropout_rate < 1:

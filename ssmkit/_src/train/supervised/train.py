@@ -66,6 +66,24 @@ class Setup(NamedTuple):
   dropout_key: jax.Array
 
 
+class Task(NamedTuple):
+  """What a kind of run on a `SequenceDataset` adds to this trainer: its schema, its data, its results.
+
+  Attributes:
+    schema: the config dataclass, with the sections `data` (with `batch_size`), `model`,
+      `optimizer`, `train` and `mesh`.
+    validate: checks a filled config and returns it; raises `ConfigError`.
+    dataset: the dataset of a checked config; raises `ConfigError` naming the key at fault.
+    results: the test results from the dataset and the test split's mean "loss" and
+      "accuracy" over its scored targets, the headline last.
+  """
+
+  schema: type
+  validate: Callable[[Any], Any]
+  dataset: Callable[[Any], data.SequenceDataset]
+  results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
+
+
 def _load_dataset(config: DataConfig) -> data.SequenceDataset:
   try:
     return data.load(config.name, **config.kwargs)
@@ -75,7 +93,9 @@ def _load_dataset(config: DataConfig) -> data.SequenceDataset:
     ) from error
 
 
-def _check_pooling(config: Config, dataset: data.SequenceDataset) -> None:
+def _supervised_dataset(config: Config) -> data.SequenceDataset:
+  """The dataset of `config.data`, checked against the model's pooling."""
+  dataset = _load_dataset(config.data)
   pooling = config.model.pooling
   if dataset.per_step and pooling != "none":
     raise ConfigError(
@@ -87,6 +107,16 @@ def _check_pooling(config: Config, dataset: data.SequenceDataset) -> None:
         f"`model.pooling` must be 'mean' or 'last' for {config.data.name!r}, which has one label per "
         "sequence; got 'none'."
     )
+  return dataset
+
+
+# Supervised runs: an `ssmkit.data` dataset by name, test loss and accuracy.
+SUPERVISED = Task(
+    schema=Config,
+    validate=validate,
+    dataset=_supervised_dataset,
+    results=lambda dataset, result: {"test_loss": result["loss"], "test_accuracy": result["accuracy"]},
+)
 
 
 def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
@@ -94,15 +124,14 @@ def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
   return config.steps or config.epochs * steps_per_epoch
 
 
-def setup(config: Config) -> Setup:
-  """Builds the run of `config` up to its first step; writes nothing.
+def setup(config: Any, task: Task = SUPERVISED) -> Setup:
+  """Builds the run of `config` (a config of `task`) up to its first step; writes nothing.
 
   Raises:
     ConfigError: for any value out of range or that does not fit the data or the devices.
   """
-  validate(config)
-  dataset = _load_dataset(config.data)
-  _check_pooling(config, dataset)
+  task.validate(config)
+  dataset = task.dataset(config)
   mesh = parallel.data_mesh(config.mesh, config.data.batch_size, "data.batch_size")
   model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
@@ -134,13 +163,14 @@ def _test_split(run: Setup, batch_size: int) -> _TestSplit:
                     jax.jit(step, out_shardings=replicated))
 
 
-def _evaluate(test: _TestSplit, state: TrainState) -> dict[str, float]:
+def _evaluate(task: Task, run: Setup, test: _TestSplit, state: TrainState) -> dict[str, float]:
   result = mean_metrics(jax.device_get(test.eval_steps(state, test.arrays, test.indices, test.valid)))
-  return {"test_loss": result["loss"], "test_accuracy": result["accuracy"]}
+  return task.results(run.dataset, result)
 
 
-def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
-                       hooks: Sequence[Callable[[int], None]] = ()) -> dict[str, Any]:
+def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
+                       hooks: Sequence[Callable[[int], None]] = (),
+                       task: Task = SUPERVISED) -> dict[str, Any]:
   """Trains the model of `config` in `workdir` and evaluates it on the whole test split.
 
   Logs train metrics every `train.log_every` steps and test metrics every `train.eval_every`
@@ -154,10 +184,12 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
     config: the run's config, e.g. from `load_config`.
     workdir: the run's directory; created if needed.
     hooks: functions called with the step reached after every jitted call of steps.
+    task: the kind of run `config` is (its schema, data and results); supervised by default.
 
   Returns:
-    The summary: "test_loss", "test_accuracy", "steps", "wall_seconds" (over all sessions of the
-    run), "params" (the number of parameters) and "config" (the config as a dict).
+    The summary: the test results ("test_loss", "test_accuracy" for a supervised run),
+    "steps", "wall_seconds" (over all sessions of the run), "params" (the number of
+    parameters) and "config" (the config as a dict).
 
   Raises:
     ConfigError: for a config with values out of range or that does not fit the data, or a
@@ -166,8 +198,8 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
   started = time.perf_counter()
-  run = setup(config)
-  previous = workdirs.previous_run(workdir, Config)
+  run = setup(config, task)
+  previous = workdirs.previous_run(workdir, task.schema)
   if previous is not None:
     workdirs.check_same_run(workdir, previous, config, ("data", "model"))
     if config.optimizer.schedule == "cosine":
@@ -208,12 +240,13 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
               **mean_metrics(rows),
               "learning_rate": float(schedule(span.end - 1)),
               "examples_per_second": steps * batch_size / seconds,
+              "tokens_per_second": steps * batch_size * run.dataset.sequence_length / seconds,
           }
-        evaluated = _evaluate(test, state) if span.evaluate else None
+        evaluated = _evaluate(task, run, test, state) if span.evaluate else None
         evaluation = evaluated or evaluation
         loop.end(span, state, {"data": run.order.state()}, logged, evaluated)
       if evaluation is None:  # The run had already reached its last step.
-        evaluation = _evaluate(test, state)
+        evaluation = _evaluate(task, run, test, state)
         loop.report(files.start, evaluation)
     summary = {
         **evaluation,
@@ -226,14 +259,16 @@ def train_and_evaluate(config: Config, workdir: str | pathlib.Path, *,
   return summary
 
 
-def _restore(workdir: str | pathlib.Path, step: int | None) -> tuple[Config, Setup, int, TrainState]:
-  config = workdirs.saved_config(workdir, Config)
-  run = setup(config)
+def _restore(workdir: str | pathlib.Path, step: int | None, task: Task
+             ) -> tuple[Any, Setup, int, TrainState]:
+  config = workdirs.saved_config(workdir, task.schema)
+  run = setup(config, task)
   step, state = workdirs.restore(workdir, run.state, step)
   return config, run, step, state
 
 
-def evaluate(workdir: str | pathlib.Path, step: int | None = None) -> dict[str, Any]:
+def evaluate(workdir: str | pathlib.Path, step: int | None = None, *,
+             task: Task = SUPERVISED) -> dict[str, Any]:
   """Evaluates a checkpoint of a `train_and_evaluate` workdir on the whole test split.
 
   The model and data come from the workdir's `config.yaml`.
@@ -241,26 +276,29 @@ def evaluate(workdir: str | pathlib.Path, step: int | None = None) -> dict[str, 
   Args:
     workdir: the run's directory.
     step: the checkpoint's step; default the latest.
+    task: the kind of run in `workdir`; supervised by default.
 
   Returns:
-    {"step": the checkpoint's step, "test_examples", "test_loss", "test_accuracy"}.
+    {"step": the checkpoint's step, "test_examples", then the test results of `task`
+    ("test_loss", "test_accuracy" for a supervised run)}.
 
   Raises:
     FileNotFoundError: if `workdir` has no config, or no checkpoint (of `step`).
     ConfigError: if `workdir` holds a run of another task kind.
   """
-  config, run, step, state = _restore(workdir, step)
-  test = _evaluate(_test_split(run, config.data.batch_size), state)
+  config, run, step, state = _restore(workdir, step, task)
+  test = _evaluate(task, run, _test_split(run, config.data.batch_size), state)
   return {"step": step, "test_examples": run.dataset.num_test, **test}
 
 
-def load(workdir: str | pathlib.Path,
-         step: int | None = None) -> tuple[layers.SequenceModel, dict[str, Any], Config]:
+def load(workdir: str | pathlib.Path, step: int | None = None, *,
+         task: Task = SUPERVISED) -> tuple[layers.SequenceModel, dict[str, Any], Any]:
   """The trained model of a `train_and_evaluate` workdir, its variables at a checkpoint, its config.
 
   Args:
     workdir: the run's directory.
     step: the checkpoint's step; default the latest.
+    task: the kind of run in `workdir`; supervised by default.
 
   Returns:
     `(model, variables, config)`: `model.apply(variables, x, mask, reset)` runs in evaluation
@@ -271,5 +309,5 @@ def load(workdir: str | pathlib.Path,
     FileNotFoundError: if `workdir` has no config, or no checkpoint (of `step`).
     ConfigError: if `workdir` holds a run of another task kind.
   """
-  config, run, _, state = _restore(workdir, step)
+  config, run, _, state = _restore(workdir, step, task)
   return run.model, variables(state), config

@@ -1,0 +1,72 @@
+"""The schema of language-model runs: a text corpus packed into rows, a model, an optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ssmkit._src.train.core.errors import ConfigError
+from ssmkit._src.train.core.model import ModelConfig
+from ssmkit._src.train.core.parallel import MeshConfig
+from ssmkit._src.train.supervised import config as supervised
+
+
+@dataclasses.dataclass
+class LMDataConfig:
+  """Which text to model and how to cut it into rows."""
+
+  # The text: a file, a folder (every file under it) or a glob; null: the Python standard
+  # library's source files of the running interpreter, one document per file.
+  path: str | None = None
+  # Steps per row: the documents, each begun by an end-of-document token that resets every
+  # layer, are concatenated and cut into rows of this many tokens, without padding.
+  seq_len: int = 256
+  # Fraction of the documents held out for validation, chosen by a hash of each one's path.
+  validation_fraction: float = 0.05
+  # Rows per train and eval batch.
+  batch_size: int = 32
+
+
+@dataclasses.dataclass
+class LMModelConfig(ModelConfig):
+  """The `ssmkit.layers.SequenceModel` to train: byte tokens in, the next token's logits out."""
+
+  # One prediction per step, of the next token: the only pooling of a language model.
+  pooling: str = "none"
+
+
+@dataclasses.dataclass
+class LMConfig:
+  """A language-model run on bytes of text: `ssmkit train CONFIG` with `task: lm` reads this."""
+
+  # The task kind: next-token prediction on packed documents of text.
+  task: str = "lm"
+  data: LMDataConfig = dataclasses.field(default_factory=LMDataConfig)
+  model: LMModelConfig = dataclasses.field(default_factory=LMModelConfig)
+  optimizer: supervised.OptimizerConfig = dataclasses.field(default_factory=supervised.OptimizerConfig)
+  train: supervised.TrainConfig = dataclasses.field(default_factory=supervised.TrainConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+
+# Each string field with the values it may take.
+CHOICES: dict[str, tuple[str, ...]] = {
+    **supervised.CHOICES,
+    "task": ("lm",),
+    "model.pooling": ("none",),
+}
+# Each numeric field with the smallest value it may take.
+MINIMUMS: dict[str, float] = {**supervised.MINIMUMS, "data.seq_len": 2}
+# Each numeric field that must be > 0.
+POSITIVE = supervised.POSITIVE
+
+
+def validate(config: LMConfig) -> LMConfig:
+  """Checks the values the schema's types do not constrain; returns `config`.
+
+  Raises:
+    ConfigError: naming the first field with a value outside its choices or range, or a layer
+      keyword argument the layer does not have or of another type.
+  """
+  if not 0 < config.data.validation_fraction < 1:
+    raise ConfigError(f"`data.validation_fraction` must lie strictly between 0 and 1, got "
+                      f"{config.data.validation_fraction}.")
+  return supervised.check_run(config, CHOICES, MINIMUMS, POSITIVE)

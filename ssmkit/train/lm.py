@@ -1,0 +1,6 @@
+"""Language models on text (`task: lm`): the config, the data it packs, and the entry points."""
+
+from ssmkit._src.train.lm.config import LMConfig, LMDataConfig
+from ssmkit._src.train.lm.train import dataset, evaluate, load, results, train_and_evaluate
+
+__all__ = ["LMConfig", "LMDataConfig", "dataset", "evaluate", "load", "results", "train_and_evaluate"]

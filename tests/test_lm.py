@@ -1,0 +1,114 @@
+"""The `lm` task kind: language models on packed documents of text, in bits per byte."""
+
+import json
+import math
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from ssmkit import cli, data, train
+
+# A run small enough for the suite: a 1-block Gated DeltaNet of width 8 on a corpus of its own.
+TINY = ("data.seq_len=16", "data.batch_size=4", "data.validation_fraction=0.3", "model.features=8",
+        "model.num_blocks=1", "model.mlp_expansion=1.0", "optimizer.warmup_steps=0", "train.steps=6",
+        "train.log_every=2", "train.eval_every=0", "mesh.data=1")
+
+
+def _corpus(folder, count=40, seed=0):
+  rng = np.random.default_rng(seed)
+  folder.mkdir(parents=True, exist_ok=True)
+  for i in range(count):
+    text = "".join(rng.choice(list("def x():\n  return 1 + é\n"), rng.integers(3, 40)))
+    (folder / f"module_{i}.py").write_text(text, encoding="utf-8")
+  return folder
+
+
+def _last_line(text):
+  return text.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", train.shipped_configs("lm"))
+def test_every_shipped_lm_config_loads_and_comments_every_field(name):
+  config = train.load_config(name)
+  assert isinstance(config, train.lm.LMConfig) and config.model.pooling == "none"
+  path = pathlib.Path(train.__file__).parents[1] / "configs" / f"{name}.yaml"
+  for line in path.read_text().splitlines():
+    key, _, value = line.partition(":")
+    if not line.lstrip().startswith("#") and value.split("#")[0].strip():
+      assert "#" in value, f"{name}.yaml: field {key.strip()!r} has no comment"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """One tiny run of the shipped config on a corpus of 40 files, through the command line."""
+  root = tmp_path_factory.mktemp("lm")
+  corpus = _corpus(root / "corpus")
+  workdir = root / "run"
+  with jax.enable_x64(False):
+    status = cli.main(["train", "lm_gated_deltanet", "--workdir", str(workdir),
+                       f"data.path={corpus}", *TINY])
+  assert status == 0
+  return corpus, workdir, json.loads((workdir / "summary.json").read_text())
+
+
+def test_a_run_reports_bits_per_byte_of_the_held_out_documents(tiny_run, capsys):
+  """Bits per byte, recomputed from the trained model and the packed held-out documents."""
+  corpus, workdir, summary = tiny_run
+  model, variables, config = train.load(workdir)
+  assert isinstance(config, train.lm.LMConfig) and summary["steps"] == 6
+  ds = data.text(path=str(corpus), seq_len=16, validation_fraction=0.3)
+  logits = np.asarray(model.apply(variables, ds.x_test, None, ds.reset_test), np.float64)
+  log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                     keepdims=True)) - logits.max(-1, keepdims=True)
+  nats = -np.take_along_axis(log_probs, ds.y_test[..., None], -1).sum()
+  text_bytes = sum(len(doc.text.encode()) for doc in data.split_documents(
+      data.read_documents(corpus), 0.3)[1])
+  # Every byte of the held-out text but the tail the last row cannot hold is a target.
+  assert np.sum(ds.y_test < 256) <= text_bytes < np.sum(ds.y_test < 256) + 16
+  np.testing.assert_allclose(summary["test_bits_per_byte"],
+                             nats / math.log(2) / np.sum(ds.y_test < 256), rtol=1e-4)
+  np.testing.assert_allclose(summary["test_perplexity"], math.exp(summary["test_loss"]), rtol=1e-9)
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert all(r["tokens_per_second"] > 0 for r in records if "tokens_per_second" in r)
+
+
+def test_evaluate_and_the_command_line_give_the_runs_results(tiny_run, capsys):
+  _, workdir, summary = tiny_run
+  results = train.evaluate(workdir)
+  for key in ("test_loss", "test_bits_per_byte"):
+    np.testing.assert_allclose(results[key], summary[key], rtol=1e-6)
+  assert cli.main(["eval", "--workdir", str(workdir)]) == 0
+  assert _last_line(capsys.readouterr().out).startswith("test_bits_per_byte=")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("data.path={tmp}/nothing_here", r"`data\.path`"),
+        ("data.seq_len=1", r"`data\.seq_len`"),
+        ("data.seq_len=100000", r"`data\.seq_len`=100000 is longer"),
+        ("data.validation_fraction=1.0", r"`data\.validation_fraction`"),
+        ("model.pooling=mean", r"`model\.pooling`"),
+        ("data.name=mnist1d", r"`data\.name`"),
+    ],
+)
+def test_bad_lm_configs_are_named_before_anything_is_written(override, key, tmp_path, capsys):
+  corpus = _corpus(tmp_path / "corpus", count=10)
+  workdir = tmp_path / "run"
+  status = cli.main(["train", "lm_gated_deltanet", "--workdir", str(workdir),
+                     f"data.path={corpus}", *TINY, override.format(tmp=tmp_path)])
+  assert status == 2
+  assert re.search(key, capsys.readouterr().err)
+  assert not workdir.exists()
+
+
+def test_text_that_is_not_utf8_is_named(tmp_path, capsys):
+  corpus = _corpus(tmp_path / "corpus", count=10)
+  (corpus / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
+  assert cli.main(["train", "lm_gated_deltanet", "--workdir", str(tmp_path / "run"),
+                   f"data.path={corpus}", *TINY]) == 2
+  error = capsys.readouterr().err
+  assert "`data.path`: " in error and "image.png' is not UTF-8 text" in error
