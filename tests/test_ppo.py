@@ -98,11 +98,11 @@ def _train_command(name, workdir, *overrides):
 # Configs.
 
 
-def test_ppo_configs_are_shipped_apart_from_the_supervised_ones():
+def test_ppo_configs_are_shipped_apart_from_the_other_kinds():
   assert train.shipped_configs("ppo") == ["ppo_memory_lru", "ppo_memory_mlp"]
-  assert not set(train.shipped_configs("ppo")) & set(train.shipped_configs("supervised"))
-  assert sorted(train.shipped_configs()) == sorted(
-      train.shipped_configs("ppo") + train.shipped_configs("supervised"))
+  by_kind = [train.shipped_configs(kind) for kind in ("ppo", "supervised", "lm")]
+  assert sorted(train.shipped_configs()) == sorted(name for names in by_kind for name in names)
+  assert len(set(train.shipped_configs())) == sum(map(len, by_kind))
 
 
 @pytest.mark.parametrize("name", train.shipped_configs("ppo"))
