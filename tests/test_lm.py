@@ -112,3 +112,33 @@ def test_text_that_is_not_utf8_is_named(tmp_path, capsys):
                    f"data.path={corpus}", *TINY]) == 2
   error = capsys.readouterr().err
   assert "`data.path`: " in error and "image.png' is not UTF-8 text" in error
+
+
+def test_generate_continues_a_prompt_greedily_as_the_model_reads_it(tiny_run, capsys):
+  """The command line's greedy text, against the argmax of the whole model re-run on the text so
+  far (padded to one length, which a causal model does not see)."""
+  _, workdir, _ = tiny_run
+  prompt, count = "def x", 12
+  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", prompt, "--max-bytes",
+                   str(count), "--temperature", "0"]) == 0
+  printed = capsys.readouterr().out.rstrip("\n")
+  model, variables, _ = train.load(workdir)
+  tokens = [256, *prompt.encode()]
+  run = jax.jit(lambda t: model.apply(variables, t))
+  for _ in range(count):
+    padded = np.zeros((1, len(prompt) + 1 + count), np.int32)
+    padded[0, :len(tokens)] = tokens
+    token = int(np.argmax(run(padded)[0, len(tokens) - 1]))
+    if token == 256:
+      break
+    tokens.append(token)
+  assert printed == prompt + data.ByteTokenizer().decode(np.array(tokens[len(prompt) + 1:]))
+
+
+def test_generate_needs_an_lm_run_and_sound_sampling(tiny_run, tmp_path, capsys):
+  _, workdir, _ = tiny_run
+  assert cli.main(["generate", "--workdir", str(workdir), "--temperature", "-1"]) == 2
+  assert "`temperature` must be >= 0" in capsys.readouterr().err
+  (tmp_path / "config.yaml").write_text("task: supervised\ndata:\n  name: mnist1d\n")
+  assert cli.main(["generate", "--workdir", str(tmp_path)]) == 2
+  assert "holds a `task: supervised` run" in capsys.readouterr().err

@@ -78,3 +78,32 @@ def load(workdir: str | pathlib.Path, step: int | None = None
   """`(model, variables, config)` of a checkpoint: `layers.generate(model, variables, prompt, n)`
   continues byte tokens (`ssmkit.data.ByteTokenizer().encode(text)`)."""
   return supervised.load(workdir, step, task=TASK)
+
+
+def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str, max_bytes: int, *,
+             rng: Any = None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None) -> str:
+  """The text a byte-level language model writes after `prompt`, as the start of a document.
+
+  The prompt follows an end-of-document token (every document of a run starts with one); the
+  model continues it with `ssmkit.layers.generate` until it writes the end-of-document token
+  or `max_bytes` tokens. Bytes that do not end a UTF-8 character become U+FFFD.
+
+  Args:
+    model, variables: a language model of a `task: lm` run, e.g. from `load`.
+    prompt: the start of the document.
+    max_bytes: at most this many tokens are generated.
+    rng, temperature, top_k, top_p: as `ssmkit.layers.generate` takes them; temperature 0
+      (the default) is greedy.
+
+  Returns:
+    The continuation, without the prompt.
+  """
+  tokenizer = data.ByteTokenizer()
+  tokens = np.array([[tokenizer.eod, *tokenizer.encode(prompt)]], np.int32)
+  written = np.asarray(layers.generate(model, variables, tokens, max_bytes, rng=rng,
+                                       temperature=temperature, top_k=top_k, top_p=top_p,
+                                       eos_token=tokenizer.eod))[0]
+  ends = np.flatnonzero(written == tokenizer.eod)
+  return tokenizer.decode(written[:ends[0] if ends.size else len(written)])
+
