@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import compiled
+import ssmkit.nnx as snx
 from ssmkit import layers
 from ssmkit._src.layers.block import MLPS
 
@@ -177,6 +179,22 @@ def test_greedy_generation_equals_rerunning_the_whole_sequence(pattern):
   tokens = np.concatenate([prompt, np.asarray(generated)], axis=1)
   rerun = np.argmax(compiled.run(model)(variables, tokens)[:, 3:-1], axis=-1)
   np.testing.assert_array_equal(generated, rerun)
+
+
+def test_generation_past_a_global_attention_cache_is_refused():
+  """The last token reads P + N - 1 keys: up to `cache_size`, never a silently shortened cache."""
+  model = _model("deltanet-attention", num_blocks=2)  # global attention, cache_size=32
+  prompt = _tokens((1, 30))
+  variables = compiled.init(model, prompt.shape, 0, "int32")
+  assert layers.generate(model, variables, prompt, 3, temperature=0.0).shape == (1, 3)
+  message = r"`prompt` \(30 tokens\) and `num_steps` \(4\) reach past .* \(32 entries"
+  with pytest.raises(ValueError, match=message):
+    layers.generate(model, variables, prompt, 4, temperature=0.0)
+  twin = snx.SequenceModel(None, VOCAB, vocab_size=VOCAB, pooling="none", features=8,
+                           layer=functools.partial(snx.Attention, num_heads=2, cache_size=16),
+                           rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"\(16 entries: `cache_size`\)"):
+    snx.generate(twin, prompt[:, :10], 8, temperature=0.0)
 
 
 def test_lm_head_ties_scales_and_caps():

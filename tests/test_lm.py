@@ -4,12 +4,14 @@ import json
 import math
 import pathlib
 import re
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from ssmkit import cli, data, train
+from ssmkit._src.train.lm import train as lm_train
 
 # A run small enough for the suite: a 1-block Gated DeltaNet of width 8 on a corpus of its own.
 TINY = ("data.seq_len=16", "data.batch_size=4", "data.validation_fraction=0.3", "model.features=8",
@@ -142,3 +144,52 @@ def test_generate_needs_an_lm_run_and_sound_sampling(tiny_run, tmp_path, capsys)
   (tmp_path / "config.yaml").write_text("task: supervised\ndata:\n  name: mnist1d\n")
   assert cli.main(["generate", "--workdir", str(tmp_path)]) == 2
   assert "holds a `task: supervised` run" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_one(tiny_run, tmp_path):
+  """SIGINT after step 4, then the same call again: the parameters and results of the run that
+  was never stopped (same data: the corpus is made from the same seed)."""
+  corpus = _corpus(tmp_path / "corpus")
+  workdir = tmp_path / "run"
+  config = train.load_config("lm_gated_deltanet", [f"data.path={corpus}", *TINY])
+
+  def stop(step):
+    if step == 4:
+      signal.raise_signal(signal.SIGINT)
+
+  with jax.enable_x64(False):
+    with pytest.raises(train.Interrupted):
+      train.train_and_evaluate(config, workdir, hooks=[stop])
+    summary = train.train_and_evaluate(config, workdir)
+  _, whole, expected = tiny_run
+  _, resumed, _ = train.load(workdir)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), resumed,
+               train.load(whole)[1])
+  np.testing.assert_allclose(summary["test_bits_per_byte"], expected["test_bits_per_byte"],
+                             rtol=1e-5)
+
+
+def test_each_evaluation_shows_continuations_of_held_out_documents(tiny_run):
+  """The first 24 bytes of the first two held-out documents, continued greedily (checked against
+  the argmax of the whole model re-run on the text so far) and sampled."""
+  corpus = tiny_run[0]
+  config = train.load_config("lm_gated_deltanet", [f"data.path={corpus}", *TINY])
+  run = train.supervised.setup(config, lm_train.TASK)
+  lines = lm_train.samples(run, run.state)
+  held_out = [d.text.encode() for d in data.split_documents(data.read_documents(corpus), 0.3)[1]]
+  starts = [text[:24] for text in held_out if len(text) >= 24][:2]
+  tokenizer = data.ByteTokenizer()
+  assert [line.split(" -> ")[0] for line in lines] == [
+      f"{kind}: {tokenizer.decode(np.frombuffer(start, np.uint8))!r}"
+      for kind in ("greedy", "sampled") for start in starts]
+  apply = jax.jit(lambda tokens: run.model.apply({"params": run.state.params}, tokens))
+  for line, start in zip(lines[:2], starts, strict=True):
+    tokens = [256, *start]
+    while len(tokens) < 1 + 24 + 48:
+      padded = np.zeros((1, 1 + 24 + 48), np.int32)
+      padded[0, :len(tokens)] = tokens
+      token = int(np.argmax(apply(padded)[0, len(tokens) - 1]))
+      if token == 256:
+        break
+      tokens.append(token)
+    assert line.split(" -> ")[1] == repr(tokenizer.decode(np.array(tokens[25:])))

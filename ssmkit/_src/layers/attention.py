@@ -303,7 +303,8 @@ class Attention(functional.LinenLayer):
   The state is an `AttentionState`: the keys and values of the last `window` steps (local
   attention) or `cache_size` steps (global), so its shape never changes and decoding with
   `step` compiles once. Global attention decodes exactly for documents of up to `cache_size`
-  steps; past that the oldest keys leave the cache (a sliding window of `cache_size`).
+  steps; past that the oldest keys leave the cache (a sliding window of `cache_size`), which
+  `generate` refuses.
   `initial_state` and `return_state` continue a sequence from a prefill. A NaN or Inf in a
   step's input reaches the outputs that attend to it and nothing else, gradients included.
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers import common
+from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import (
     MLPS,
     MixerBlock,
@@ -429,6 +430,20 @@ def _filter_logits(logits: Array, top_k: int | None = None, top_p: Array | float
   return logits
 
 
+def _global_attention_cache(model: Any) -> int | None:
+  """The smallest `cache_size` of the global (window None) attention layers of a model of either
+  front end, None without one; layer factories other than partials of a class are skipped."""
+  sizes = []
+  for make in layer_pattern(model.layer):
+    cls = getattr(make, "func", make)
+    cls = getattr(cls, "linen", cls)  # an NNX front end's linen layer
+    if isinstance(cls, type) and issubclass(cls, Attention):
+      layer = cls(**getattr(make, "keywords", {}), parent=None)
+      if layer.window is None:
+        sizes.append(layer.cache_size)
+  return min(sizes, default=None)
+
+
 def _is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
@@ -492,6 +507,12 @@ def generation_arguments(model: Any, prompt: Array, num_steps: int, *, rng: Arra
                        f"tokens in [{low}, {high}].")
   if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
     raise ValueError(f"`num_steps` must be a non-negative int, got {num_steps!r}.")
+  cache = _global_attention_cache(model)
+  if cache is not None and prompt.shape[-1] + num_steps - 1 > cache:
+    raise ValueError(
+        f"`prompt` ({prompt.shape[-1]} tokens) and `num_steps` ({num_steps}) reach past the "
+        f"key/value cache of the model's global attention ({cache} entries: `cache_size`), which "
+        "would drop its oldest keys; build the attention with a larger `cache_size`.")
   greedy = _is_concrete(temperature) and np.all(np.asarray(temperature) == 0)
   if _is_concrete(temperature) and np.any(np.asarray(temperature) < 0):
     raise ValueError(f"`temperature` must be >= 0, got {temperature}.")

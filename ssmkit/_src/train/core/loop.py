@@ -224,6 +224,10 @@ class Loop:
     if stopping:
       raise Interrupted(self._stop.signal_name, span.end, str(self._workdir.path))
 
+  def write(self, line: str) -> None:
+    """Prints `line` above the progress bar (on process 0)."""
+    self._write(line)
+
   def report(self, step: int, values: dict[str, Any]) -> None:
     """Prints the float `values` reached at `step` above the progress bar (on process 0)."""
     self._write(_line(self._unit, step, values))

@@ -76,12 +76,15 @@ class Task(NamedTuple):
     dataset: the dataset of a checked config; raises `ConfigError` naming the key at fault.
     results: the test results from the dataset and the test split's mean "loss" and
       "accuracy" over its scored targets, the headline last.
+    samples: lines that show the model at work, printed after each evaluation during
+      training (a language model's continuations of held-out text); None for none.
   """
 
   schema: type
   validate: Callable[[Any], Any]
   dataset: Callable[[Any], data.SequenceDataset]
   results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
+  samples: Callable[[Setup, TrainState], list[str]] | None = None
 
 
 def _load_dataset(config: DataConfig) -> data.SequenceDataset:
@@ -243,6 +246,9 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
               "tokens_per_second": steps * batch_size * run.dataset.sequence_length / seconds,
           }
         evaluated = _evaluate(task, run, test, state) if span.evaluate else None
+        if evaluated and task.samples is not None:
+          for line in task.samples(run, state):
+            loop.write(line)
         evaluation = evaluated or evaluation
         loop.end(span, state, {"data": run.order.state()}, logged, evaluated)
       if evaluation is None:  # The run had already reached its last step.
