@@ -31,6 +31,17 @@ POOLINGS = ("mean", "last", "none")
 
 
 BLOCKS = ("ssm", "mixer")
+# The options each kind of block takes from its model, by the same names on both front ends'
+# models and blocks.
+BLOCK_OPTIONS = {
+    "ssm": ("norm", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
+    "mixer": ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype", "param_dtype"),
+}
+
+
+def block_options(model: Any) -> dict[str, Any]:
+  """The options of the blocks of a `SequenceModel` of either front end."""
+  return {name: getattr(model, name) for name in BLOCK_OPTIONS[model.block]}
 
 
 def layer_pattern(layer: Any) -> tuple[Callable[..., Any], ...]:
@@ -193,15 +204,8 @@ class SequenceModel(nn.Module):
 
   def _blocks(self) -> tuple[ModuleDef, ...]:
     """One block factory per position of the layer pattern."""
-    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    if self.block == "ssm":
-      options = dict(norm=self.norm, activation=self.activation, dropout_rate=self.dropout_rate,
-                     prenorm=self.prenorm, **precision)
-      return tuple(functools.partial(SSMBlock, layer=make, **options)
-                   for make in layer_pattern(self.layer))
-    options = dict(norm=self.norm, mlp=self.mlp, mlp_expansion=self.mlp_expansion,
-                   mlp_bias=self.mlp_bias, dropout_rate=self.dropout_rate, **precision)
-    return tuple(functools.partial(MixerBlock, layer=make, **options)
+    cls = SSMBlock if self.block == "ssm" else MixerBlock
+    return tuple(functools.partial(cls, layer=make, **block_options(self))
                  for make in layer_pattern(self.layer))
 
   def _scanned(self, blocks: tuple[ModuleDef, ...], length: int, name: str, **flags: Any) -> nn.Module:

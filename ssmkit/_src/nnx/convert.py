@@ -100,10 +100,8 @@ def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
 
 def _block_options(block: Any) -> dict[str, Any]:
   """The options of a linen block, but its layer."""
-  names = ("norm", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype")
-  if isinstance(block, linen_block.MixerBlock):
-    names = ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype", "param_dtype")
-  return {name: getattr(block, name) for name in names}
+  kind = "mixer" if isinstance(block, linen_block.MixerBlock) else "ssm"
+  return {name: getattr(block, name) for name in linen_model.BLOCK_OPTIONS[kind]}
 
 
 def _pattern_layers(model: SequenceModel) -> list[Layer]:

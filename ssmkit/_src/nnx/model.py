@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ssmkit._src.layers.model import (
+    block_options,
     cap_logits,
     check_inputs,
     check_model,
@@ -130,16 +131,9 @@ class SequenceModel(nnx.Module):
       self.encoder = nnx.Linear(in_features, features, rngs=rngs, **precision)
     else:
       self.encoder = nnx.Embed(vocab_size, features, rngs=rngs, **precision)
-    if block == "ssm":
-      options = dict(norm=norm, activation=activation, dropout_rate=dropout_rate, prenorm=prenorm,
-                     **precision)
-      blocks = [functools.partial(SSMBlock, features, layer=make, **options)
-                for make in layer_pattern(layer)]
-    else:
-      options = dict(norm=norm, mlp=mlp, mlp_expansion=mlp_expansion, mlp_bias=mlp_bias,
-                     dropout_rate=dropout_rate, **precision)
-      blocks = [functools.partial(MixerBlock, features, layer=make, **options)
-                for make in layer_pattern(layer)]
+    cls = SSMBlock if block == "ssm" else MixerBlock
+    blocks = [functools.partial(cls, features, layer=make, **block_options(self))
+              for make in layer_pattern(layer)]
     tail = None
     if not scan_blocks:
       self.blocks = nnx.List([blocks[i % len(blocks)](rngs=rngs) for i in range(num_blocks)])
