@@ -5,7 +5,7 @@
     ssmkit bench all [--shapes small|full] [--repeats N] [--markdown] [--budget-s S] [--output FILE]
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
-    ssmkit generate --workdir DIR [--prompt TEXT] [--max-bytes N] [--temperature T] ...
+    ssmkit generate --workdir DIR [--prompt TEXT] [--max-tokens N] [--temperature T] ...
     ssmkit configs
     ssmkit --version
 
@@ -163,10 +163,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     if kind != "lm":
       raise train.ConfigError(f"{args.workdir} holds a `task: {kind}` run; `ssmkit generate` "
                               "continues text with the model of a `task: lm` run.")
-    model, variables, _ = train.load(args.workdir, args.step)
-    text = train.lm.complete(model, variables, args.prompt, args.max_bytes,
-                             rng=jax.random.key(args.seed), temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p)
+    model, variables, config = train.load(args.workdir, args.step)
+    text = train.lm.complete(model, variables, args.prompt, args.max_tokens,
+                             tokenizer=train.lm.tokenizer(config), rng=jax.random.key(args.seed),
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   except (FileNotFoundError, train.ConfigError, ValueError) as error:
     print(f"ssmkit generate: error: {error}", file=sys.stderr)
     return 2
@@ -178,8 +178,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--workdir", type=pathlib.Path, required=True,
                       help="the workdir of a `task: lm` run")
   parser.add_argument("--prompt", default="", help="the start of the text; default: none")
-  parser.add_argument("--max-bytes", type=_positive_int, default=256,
-                      help="at most this many bytes are written; default: 256")
+  parser.add_argument("--max-tokens", type=_positive_int, default=256,
+                      help="at most this many tokens (bytes for a byte-level run) are written; "
+                           "default: 256")
   parser.add_argument("--temperature", type=float, default=0.8,
                       help="softmax temperature, 0 for greedy; default: 0.8")
   parser.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest")
@@ -261,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
   _add_generate(commands.add_parser(
       "generate", help="continue a prompt with the language model of a `task: lm` workdir",
       description="Restores a `task: lm` run's checkpoint and prints the prompt and its "
-                  "continuation, which ends at the end-of-document token or --max-bytes.",
+                  "continuation, which ends at the end-of-document token or --max-tokens.",
   ))
   commands.add_parser(
       "configs", help="list the configs shipped with ssmkit", description="Lists the shipped configs, "

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import tokenizer_files
 from ssmkit import cli, data, train
 from ssmkit._src.train.lm import train as lm_train
 
@@ -95,6 +96,8 @@ def test_evaluate_and_the_command_line_give_the_runs_results(tiny_run, capsys):
         ("data.validation_fraction=1.0", r"`data\.validation_fraction`"),
         ("model.pooling=mean", r"`model\.pooling`"),
         ("data.name=mnist1d", r"`data\.name`"),
+        ("data.tokenizer={tmp}/missing.json", r"`data\.tokenizer` .*missing.json.* no such file"),
+        ("data.eod_token=</s>", r"`data\.eod_token` '</s>' needs a `data\.tokenizer` file"),
     ],
 )
 def test_bad_lm_configs_are_named_before_anything_is_written(override, key, tmp_path, capsys):
@@ -121,7 +124,7 @@ def test_generate_continues_a_prompt_greedily_as_the_model_reads_it(tiny_run, ca
   far (padded to one length, which a causal model does not see)."""
   _, workdir, _ = tiny_run
   prompt, count = "def x", 12
-  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", prompt, "--max-bytes",
+  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", prompt, "--max-tokens",
                    str(count), "--temperature", "0"]) == 0
   printed = capsys.readouterr().out.rstrip("\n")
   model, variables, _ = train.load(workdir)
@@ -193,3 +196,35 @@ def test_each_evaluation_shows_continuations_of_held_out_documents(tiny_run):
         break
       tokens.append(token)
     assert line.split(" -> ")[1] == repr(tokenizer.decode(np.array(tokens[25:])))
+
+
+def test_a_run_with_a_tokenizer_file_reports_bits_per_byte_of_text(tmp_path, capsys):
+  """A byte-level BPE's run: bits per byte are its summed loss over the bytes of held-out text
+  behind its targets; `generate` writes with the run's tokenizer, and another vocabulary is named."""
+  corpus = _corpus(tmp_path / "corpus")
+  documents = data.read_documents(corpus)
+  path = tokenizer_files.byte_level_bpe(tmp_path / "tokenizer.json", [d.text for d in documents])
+  workdir = tmp_path / "run"
+  with jax.enable_x64(False):
+    assert cli.main(["train", "lm_gated_deltanet", "--workdir", str(workdir), f"data.path={corpus}",
+                     f"data.tokenizer={path}", *TINY]) == 0
+  summary = json.loads((workdir / "summary.json").read_text())
+  model, variables, config = train.load(workdir)
+  ds = data.text(path=str(corpus), seq_len=16, validation_fraction=0.3, tokenizer=str(path))
+  assert model.vocab_size == ds.vocab_size == 300
+  log_probs = np.asarray(jax.nn.log_softmax(
+      np.asarray(model.apply(variables, ds.x_test, None, ds.reset_test), np.float64)))
+  nats = -np.take_along_axis(log_probs, ds.y_test[..., None], -1).sum()
+  held_out = data.split_documents(documents, 0.3)[1]
+  # The tokens cover nearly all held-out bytes (all but the tail the last row drops).
+  assert 0.9 * sum(len(d.text.encode()) for d in held_out) < ds.target_bytes_test.sum()
+  np.testing.assert_allclose(summary["test_bits_per_byte"],
+                             nats / math.log(2) / ds.target_bytes_test.sum(), rtol=1e-4)
+  capsys.readouterr()
+  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", "def x", "--max-tokens", "4",
+                   "--temperature", "0"]) == 0
+  printed = capsys.readouterr().out.rstrip("\n")
+  written = train.lm.complete(model, variables, "def x", 4, tokenizer=train.lm.tokenizer(config))
+  assert printed == "def x" + written
+  with pytest.raises(ValueError, match=r"`tokenizer` has 257 tokens, but the model reads 300"):
+    train.lm.complete(model, variables, "def x", 4)

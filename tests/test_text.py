@@ -10,6 +10,7 @@ import pytest
 
 import compiled
 import registered
+import tokenizer_files
 from ssmkit import data, layers, train
 
 TOKENIZER = data.ByteTokenizer()
@@ -92,31 +93,87 @@ def test_bytes_round_trip_and_the_end_token_stays_apart():
   assert (TOKENIZER.vocab_size, TOKENIZER.eod) == (257, 256) and tokens.max() < 256
 
 
-def _pack_reference(documents, seq_len, eod):
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld → ✓ 🐍\n\tend  ", "class A:\n  pass\n"]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+  """A byte-level BPE of 300 tokens trained by `tokenizers` on Python-like text."""
+  path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+  return tokenizer_files.byte_level_bpe(path, TEXTS * 20)
+
+
+def test_a_tokenizer_file_encodes_as_tokenizers_does_and_counts_every_byte(bpe):
+  from tokenizers import Tokenizer
+
+  own = Tokenizer.from_file(str(bpe))
+  coder = data.load_tokenizer(bpe)
+  assert (coder.vocab_size, coder.eod) == (300, own.token_to_id("<|endoftext|>"))
+  for text in [*TEXTS, "ünïcödé ✓✓ 🐍🐍 ", "x", ""]:
+    tokens, counts = coder.encode_counted(text)
+    assert tokens.dtype == counts.dtype == np.int32
+    np.testing.assert_array_equal(tokens, own.encode(text, add_special_tokens=False).ids)
+    np.testing.assert_array_equal(coder.encode(text), tokens)
+    assert counts.sum() == len(text.encode()) and (counts >= 0).all()
+    assert coder.decode(tokens) == text == coder.decode(np.concatenate([[coder.eod], tokens]))
+  # Byte-level tokens of ASCII text spell their bytes one character each.
+  tokens, counts = coder.encode_counted(TEXTS[0])
+  assert list(counts) == [len(own.id_to_token(int(t))) for t in tokens]
+
+
+def test_bytes_no_token_keeps_count_in_the_token_before_them(tmp_path):
+  coder = data.load_tokenizer(tokenizer_files.stripping_words(tmp_path / "t.json", ["ab", "c"]))
+  # No end-of-document name among the tokens: a new token after the last.
+  assert (coder.vocab_size, coder.eod) == (4, 3)
+  tokens, counts = coder.encode_counted("  ab  c ab\n")
+  assert list(tokens) == [1, 2, 1] and list(counts) == [4, 3, 4]
+
+
+def test_the_end_of_document_token_is_found_or_named(bpe, tmp_path):
+  assert data.load_tokenizer(bpe, "<|endoftext|>").eod == data.load_tokenizer(bpe).eod
+  path = tokenizer_files.byte_level_bpe(tmp_path / "eos.json", TEXTS, special=("<pad>", "</s>"))
+  assert data.load_tokenizer(path).eod == 1
+  with pytest.raises(ValueError, match=r"`eod_token` '<eos>' is not a token of"):
+    data.load_tokenizer(bpe, "<eos>")
+  with pytest.raises(ValueError, match=r"`eod_token` '</s>' needs a `tokenizer` file"):
+    data.load_tokenizer(None, "</s>")
+  with pytest.raises(ValueError, match=r"`tokenizer` .*missing.json.* no such file"):
+    data.load_tokenizer(tmp_path / "missing.json")
+  (tmp_path / "bad.json").write_text("{not json")
+  with pytest.raises(ValueError, match=r"`tokenizer` .*bad.json.* cannot be read as a tokenizer"):
+    data.load_tokenizer(tmp_path / "bad.json")
+
+
+def _pack_reference(documents, seq_len, eod, text_bytes):
   """Packing written out step by step, from its definition."""
-  stream, starts = [], []
-  for document in documents:
+  stream, starts, weights = [], [], []
+  for document, counts in zip(documents, text_bytes, strict=True):
     starts.append(True)
     stream.append(eod)
-    for token in document:
+    weights.append(0)
+    for token, count in zip(document, counts, strict=True):
       starts.append(False)
       stream.append(int(token))
+      weights.append(int(count))
   rows = (len(stream) - 1) // seq_len
-  inputs = [[stream[r * seq_len + t] for t in range(seq_len)] for r in range(rows)]
-  targets = [[stream[r * seq_len + t + 1] for t in range(seq_len)] for r in range(rows)]
-  reset = [[starts[r * seq_len + t] for t in range(seq_len)] for r in range(rows)]
-  return np.array(inputs), np.array(targets), np.array(reset, bool)
+  window = lambda values, shift: [[values[r * seq_len + t + shift] for t in range(seq_len)]
+                                  for r in range(rows)]
+  return (np.array(window(stream, 0)), np.array(window(stream, 1)),
+          np.array(window(starts, 0), bool), np.array(window(weights, 1)))
 
 
 @pytest.mark.parametrize("seq_len", [2, 3, 7, 16])
-def test_packing_matches_its_definition(seq_len):
+@pytest.mark.parametrize("counted", [False, True], ids=["bytes", "counted"])
+def test_packing_matches_its_definition(seq_len, counted):
   rng = np.random.default_rng(seq_len)
   documents = [rng.integers(0, 256, n) for n in (5, 1, 0, 13, 2, 8)]
-  packed = data.pack_documents(documents, seq_len, 256)
-  for got, want in zip((packed.inputs, packed.targets, packed.reset),
-                       _pack_reference(documents, seq_len, 256), strict=True):
+  counts = [rng.integers(0, 5, len(d)) for d in documents] if counted else None
+  packed = data.pack_documents(documents, seq_len, 256, counts)
+  ones = [np.ones(len(d), int) for d in documents]
+  for got, want in zip((packed.inputs, packed.targets, packed.reset, packed.target_bytes),
+                       _pack_reference(documents, seq_len, 256, counts or ones), strict=True):
     np.testing.assert_array_equal(got, want)
-  assert packed.inputs.dtype == packed.targets.dtype == np.int32
+  assert packed.inputs.dtype == packed.targets.dtype == packed.target_bytes.dtype == np.int32
 
 
 def test_packing_refuses_rows_it_cannot_fill():
@@ -124,6 +181,8 @@ def test_packing_refuses_rows_it_cannot_fill():
     data.pack_documents([np.arange(10)], 1, 256)
   with pytest.raises(ValueError, match="`seq_len`=11 is longer than the 11 tokens"):
     data.pack_documents([np.arange(10)], 11, 256)
+  with pytest.raises(ValueError, match="`text_bytes` must hold one count per token"):
+    data.pack_documents([np.arange(10)], 4, 256, [np.ones(9)])
 
 
 # Documents of 4, 1, 6 and 2 tokens: with their end tokens, one row of 17 steps, whose last
@@ -162,19 +221,29 @@ def test_a_packed_row_gives_each_document_what_it_gets_alone(name):
   np.testing.assert_allclose(nll(logits, packed.targets[0]), per_document, rtol=1e-5)
 
 
-def test_the_text_dataset_is_the_packed_split_corpus(tmp_path):
+@pytest.mark.parametrize("tokenized", [False, True], ids=["bytes", "tokenizer"])
+def test_the_text_dataset_is_the_packed_split_corpus(tmp_path, bpe, tokenized):
   rng = np.random.default_rng(2)
-  _write(tmp_path, {f"doc{i}.txt": "".join(rng.choice(list("abc déf\n"), rng.integers(1, 30)))
+  _write(tmp_path, {f"doc{i}.txt": "".join(rng.choice(list("abc déf✓\n"), rng.integers(1, 30)))
                     for i in range(40)})
-  ds = data.load("text", path=str(tmp_path), seq_len=8, validation_fraction=0.3)
+  tokenizer = str(bpe) if tokenized else None
+  ds = data.load("text", path=str(tmp_path), seq_len=8, validation_fraction=0.3, tokenizer=tokenizer)
+  coder = data.load_tokenizer(tokenizer)
   train, test = data.split_documents(data.read_documents(tmp_path), 0.3)
   for split, documents, x, y, reset in (("train", train, ds.x_train, ds.y_train, ds.reset_train),
                                         ("test", test, ds.x_test, ds.y_test, ds.reset_test)):
-    packed = data.pack_documents([TOKENIZER.encode(d.text) for d in documents], 8, 256)
+    encoded = [coder.encode_counted(d.text) for d in documents]
+    packed = data.pack_documents([t for t, _ in encoded], 8, coder.eod, [b for _, b in encoded])
     np.testing.assert_array_equal(x, packed.inputs, err_msg=split)
     np.testing.assert_array_equal(y, packed.targets, err_msg=split)
     np.testing.assert_array_equal(reset, packed.reset, err_msg=split)
-  assert (ds.vocab_size, ds.num_classes, ds.per_step) == (257, 257, True)
+  np.testing.assert_array_equal(ds.target_bytes_test, packed.target_bytes)
+  # Every byte of the held-out text is behind one target, but for the tail the last row drops.
+  weights = np.concatenate([np.concatenate([[0], b]) for _, b in encoded])
+  assert ds.target_bytes_test.sum() + weights[1 + ds.y_test.size:].sum() == sum(
+      len(d.text.encode()) for d in test)
+  assert ds.vocab_size == ds.num_classes == coder.vocab_size and ds.per_step
+  assert ds.tokenizer == coder if not tokenized else ds.tokenizer.path == bpe
   with pytest.raises(ValueError, match="`seq_len`"):
     data.load("text", path=str(tmp_path), seq_len=1)
 

@@ -1,5 +1,5 @@
 """Offline sequence datasets and synthetic long-range tasks as NumPy arrays, in train and test splits;
-text corpora as documents, byte tokens and packed rows."""
+text corpora as documents, tokens (bytes or a tokenizer.json) and packed rows."""
 
 from ssmkit._src.data.dataset import SequenceDataset
 from ssmkit._src.data.digits import sequential_digits
@@ -10,25 +10,30 @@ from ssmkit._src.data.mqar import mqar
 from ssmkit._src.data.registry import load
 from ssmkit._src.data.selective_copying import selective_copying
 from ssmkit._src.data.text import (
-    ByteTokenizer,
     Document,
     PackedTokens,
+    TextDataset,
     in_validation,
     pack_documents,
     read_documents,
     split_documents,
     text,
 )
+from ssmkit._src.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "Document",
+    "HFTokenizer",
     "PackedTokens",
     "SequenceDataset",
+    "TextDataset",
+    "Tokenizer",
     "in_validation",
     "induction_heads",
     "listops",
     "load",
+    "load_tokenizer",
     "mnist1d",
     "mqar",
     "pack_documents",

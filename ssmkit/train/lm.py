@@ -1,7 +1,15 @@
 """Language models on text (`task: lm`): the config, the data it packs, and the entry points."""
 
 from ssmkit._src.train.lm.config import LMConfig, LMDataConfig
-from ssmkit._src.train.lm.train import complete, dataset, evaluate, load, results, train_and_evaluate
+from ssmkit._src.train.lm.train import (
+    complete,
+    dataset,
+    evaluate,
+    load,
+    results,
+    tokenizer,
+    train_and_evaluate,
+)
 
 __all__ = [
     "LMConfig",
@@ -11,5 +19,6 @@ __all__ = [
     "evaluate",
     "load",
     "results",
+    "tokenizer",
     "train_and_evaluate",
 ]

@@ -1,4 +1,4 @@
-"""Text for language models: documents from files, a byte tokenizer, a split by document, packing.
+"""Text for language models: documents from files, a split by document, packing into rows.
 
 A corpus is a list of documents (one per file). Each is tokenised, preceded by the
 end-of-document token, and the documents are concatenated and cut into rows of a fixed
@@ -20,6 +20,7 @@ import numpy as np
 
 from ssmkit._src.data.arguments import check_fraction, check_int
 from ssmkit._src.data.dataset import SequenceDataset
+from ssmkit._src.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,29 +134,6 @@ def split_documents(documents: list[Document], validation_fraction: float = 0.05
   return train, validation
 
 
-@dataclasses.dataclass(frozen=True)
-class ByteTokenizer:
-  """UTF-8 bytes as tokens 0..255, and one end-of-document token, 256.
-
-  Attributes:
-    vocab_size: 257.
-    eod: the end-of-document token, 256; packing puts it before every document.
-  """
-
-  vocab_size: int = 257
-  eod: int = 256
-
-  def encode(self, text: str) -> np.ndarray:
-    """`(len(text.encode()),)` int32: the UTF-8 bytes of `text`."""
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-
-  def decode(self, tokens: np.ndarray) -> str:
-    """The text of byte tokens; end-of-document tokens are left out, and bytes that do not
-    form UTF-8 (a cut multi-byte character) become U+FFFD."""
-    tokens = np.asarray(tokens)
-    return bytes(tokens[tokens < 256].astype(np.uint8)).decode("utf-8", errors="replace")
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedTokens:
   """Rows of next-token prediction cut from documents concatenated without padding.
@@ -165,14 +143,18 @@ class PackedTokens:
     targets: `(N, L)` int32: the token after each input (`inputs` shifted by one step in the
       concatenated stream).
     reset: `(N, L)` bool: True at each document's first step (its end-of-document token).
+    target_bytes: `(N, L)` int32: the bytes of text each target stands for (0 for the
+      end-of-document token), the denominator of bits per byte.
   """
 
   inputs: np.ndarray
   targets: np.ndarray
   reset: np.ndarray
+  target_bytes: np.ndarray
 
 
-def pack_documents(documents: list[np.ndarray], seq_len: int, eod: int) -> PackedTokens:
+def pack_documents(documents: list[np.ndarray], seq_len: int, eod: int,
+                   text_bytes: list[np.ndarray] | None = None) -> PackedTokens:
   """Concatenates `[eod, *document]` for each tokenised document and cuts rows of `seq_len`.
 
   Row i reads the stream's steps `[i L, (i + 1) L)` and predicts steps `[i L + 1, (i + 1) L]`;
@@ -185,55 +167,94 @@ def pack_documents(documents: list[np.ndarray], seq_len: int, eod: int) -> Packe
     documents: `(n_i,)` integer token arrays.
     seq_len: steps per row L, at least 2.
     eod: the end-of-document token.
+    text_bytes: `(n_i,)` bytes of text per token of each document (a tokenizer's
+      `encode_counted`); None: one byte per token.
 
   Returns:
     The `PackedTokens` of every whole row.
 
   Raises:
-    ValueError: naming `seq_len` below 2 or longer than the whole stream.
+    ValueError: naming `seq_len` below 2 or longer than the whole stream, or `text_bytes`
+      whose shapes differ from the documents'.
   """
   check_int(seq_len, "seq_len", minimum=2)
-  pieces = [np.concatenate([[eod], np.asarray(d, np.int32)]) for d in documents]
-  stream = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+  if text_bytes is None:
+    text_bytes = [np.ones(np.shape(d), np.int32) for d in documents]
+  elif [np.shape(b) for b in text_bytes] != [np.shape(d) for d in documents]:
+    raise ValueError("`text_bytes` must hold one count per token of each document.")
+  stream = _concatenate([np.concatenate([[eod], d]) for d in documents])
+  weights = _concatenate([np.concatenate([[0], b]) for b in text_bytes])
   rows = (len(stream) - 1) // seq_len
   if rows < 1:
     raise ValueError(f"`seq_len`={seq_len} is longer than the {len(stream)} tokens of the "
                      f"{len(documents)} document(s) less one: not one whole row.")
-  cut = lambda start: stream[start:start + rows * seq_len].reshape(rows, seq_len)
+  cut = lambda values, start: values[start:start + rows * seq_len].reshape(rows, seq_len)
   starts = np.zeros(len(stream), bool)
-  starts[np.cumsum([0, *map(len, pieces[:-1])])] = True
-  return PackedTokens(inputs=cut(0), targets=cut(1),
-                      reset=starts[:rows * seq_len].reshape(rows, seq_len))
+  starts[np.cumsum([0, *(len(d) + 1 for d in documents[:-1])])] = True
+  return PackedTokens(inputs=cut(stream, 0), targets=cut(stream, 1), reset=cut(starts, 0),
+                      target_bytes=cut(weights, 1))
 
 
-def text(*, path: str | None = None, seq_len: int = 256, validation_fraction: float = 0.05
-         ) -> SequenceDataset:
-  """Next-byte prediction on a text corpus: packed rows of bytes, documents kept apart by resets.
+def _concatenate(pieces: list[np.ndarray]) -> np.ndarray:
+  """The int32 concatenation of `pieces`, empty for none."""
+  return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+
+
+# `eq=False`, as for `SequenceDataset`: datasets compare by identity.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextDataset(SequenceDataset):
+  """A `SequenceDataset` of packed text, with its tokenizer and the bytes behind the test targets.
+
+  Attributes:
+    tokenizer: the tokenizer of the tokens (`ByteTokenizer` or `HFTokenizer`).
+    target_bytes_test: `(M, L)` int32 bytes of text per test target (`PackedTokens.target_bytes`):
+      bits per byte are the summed loss in bits over their sum.
+  """
+
+  tokenizer: Tokenizer = dataclasses.field(default_factory=ByteTokenizer)
+  target_bytes_test: np.ndarray | None = None
+
+  def __post_init__(self) -> None:
+    super().__post_init__()
+    if self.target_bytes_test is None or self.target_bytes_test.shape != self.y_test.shape:
+      raise ValueError(f"`target_bytes_test` must be an array of the shape of `y_test`, "
+                       f"{self.y_test.shape}.")
+
+
+def text(*, path: str | None = None, seq_len: int = 256, validation_fraction: float = 0.05,
+         tokenizer: str | None = None, eod_token: str | None = None) -> TextDataset:
+  """Next-token prediction on a text corpus: packed rows of tokens, documents kept apart by resets.
 
   The documents of `path` (`read_documents`; by default the Python standard library's code)
-  are split by name (`split_documents`), tokenised as bytes (`ByteTokenizer`, 257 tokens) and
-  packed into rows of `seq_len` (`pack_documents`). Each target is the next token; each
-  document's first step is a reset (`reset_train`, `reset_test`), which `ssmkit train` passes
-  to the model. Test accuracy is next-token accuracy, and the test loss in nats per token
-  over ln 2 is bits per token (per byte but for the end-of-document tokens).
+  are split by name (`split_documents`), tokenised (UTF-8 bytes, `ByteTokenizer`, or the
+  `tokenizer.json` of `tokenizer`, `HFTokenizer`) and packed into rows of `seq_len`
+  (`pack_documents`). Each target is the next token; each document's first step is a reset
+  (`reset_train`, `reset_test`), which `ssmkit train` passes to the model. Test accuracy is
+  next-token accuracy; the bytes of text behind each test target give bits per byte.
 
   Args:
     path: a text file, a folder or a glob; None for the standard library's source files.
     seq_len: steps per row, at least 2.
     validation_fraction: the fraction of documents held out, by a hash of each name.
+    tokenizer: a `tokenizer.json` file; None for bytes.
+    eod_token: the end-of-document token's name in `tokenizer` (see `HFTokenizer`).
 
   Returns:
-    A `SequenceDataset` of `(N, seq_len)` int32 tokens and targets with `vocab_size` and
-    `num_classes` 257.
+    A `TextDataset` of `(N, seq_len)` int32 tokens and targets with `vocab_size` and
+    `num_classes` the tokenizer's.
 
   Raises:
-    ValueError: naming `path`, `seq_len` or `validation_fraction` (see the functions above).
+    ValueError: naming `path`, `seq_len`, `validation_fraction`, `tokenizer` or `eod_token`.
   """
-  tokenizer = ByteTokenizer()
-  train, test = (pack_documents([tokenizer.encode(d.text) for d in split], seq_len, tokenizer.eod)
+  coder = load_tokenizer(tokenizer, eod_token)
+  train, test = (_pack([coder.encode_counted(d.text) for d in split], seq_len, coder.eod)
                  for split in split_documents(read_documents(path), validation_fraction))
-  return SequenceDataset(x_train=train.inputs, y_train=train.targets, x_test=test.inputs,
-                         y_test=test.targets, num_classes=tokenizer.vocab_size,
-                         vocab_size=tokenizer.vocab_size, reset_train=train.reset,
-                         reset_test=test.reset)
+  return TextDataset(x_train=train.inputs, y_train=train.targets, x_test=test.inputs,
+                     y_test=test.targets, num_classes=coder.vocab_size, vocab_size=coder.vocab_size,
+                     reset_train=train.reset, reset_test=test.reset, tokenizer=coder,
+                     target_bytes_test=test.target_bytes)
 
+
+def _pack(encoded: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int) -> PackedTokens:
+  """`pack_documents` of `(tokens, text_bytes)` pairs."""
+  return pack_documents([t for t, _ in encoded], seq_len, eod, [b for _, b in encoded])

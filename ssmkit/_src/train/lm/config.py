@@ -17,6 +17,12 @@ class LMDataConfig:
   # The text: a file, a folder (every file under it) or a glob; null: the Python standard
   # library's source files of the running interpreter, one document per file.
   path: str | None = None
+  # A Hugging Face tokenizer.json to tokenise the text with; null: UTF-8 bytes (257 tokens with
+  # the end-of-document token). Bits per byte count the bytes of text behind each token.
+  tokenizer: str | None = None
+  # The end-of-document token of `tokenizer`; null: the first of <|endoftext|>,
+  # <|end_of_text|>, </s> and <eos> it has, else a new token after its last.
+  eod_token: str | None = None
   # Steps per row: the documents, each begun by an end-of-document token that resets every
   # layer, are concatenated and cut into rows of this many tokens, without padding.
   seq_len: int = 256
@@ -28,7 +34,7 @@ class LMDataConfig:
 
 @dataclasses.dataclass
 class LMModelConfig(ModelConfig):
-  """The `ssmkit.layers.SequenceModel` to train: byte tokens in, the next token's logits out."""
+  """The `ssmkit.layers.SequenceModel` to train: tokens in, the next token's logits out."""
 
   # One prediction per step, of the next token: the only pooling of a language model.
   pooling: str = "none"
@@ -36,7 +42,7 @@ class LMModelConfig(ModelConfig):
 
 @dataclasses.dataclass
 class LMConfig:
-  """A language-model run on bytes of text: `ssmkit train CONFIG` with `task: lm` reads this."""
+  """A language-model run on text: `ssmkit train CONFIG` with `task: lm` reads this."""
 
   # The task kind: next-token prediction on packed documents of text.
   task: str = "lm"

@@ -1,6 +1,7 @@
 """Language-model runs: the supervised trainer on a text corpus packed into rows, in bits per byte.
 
-The data are `ssmkit.data.text`'s: byte tokens of the corpus's documents, each begun by an
+The data are `ssmkit.data.text`'s: the tokens (bytes, or a tokenizer.json's) of the corpus's
+documents, each begun by an
 end-of-document token that resets every layer, packed into rows without padding; the split is
 by document. The trainer, its checkpoints and resumption are the supervised ones; the results
 add perplexity and bits per byte, the headline, and each evaluation prints continuations of
@@ -9,10 +10,11 @@ held-out text.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,46 +28,67 @@ from ssmkit._src.train.lm.config import LMConfig, validate
 from ssmkit._src.train.supervised import train as supervised
 
 
-def dataset(config: LMConfig) -> data.SequenceDataset:
-  """The packed byte tokens of the corpus of `config.data`.
+def dataset(config: LMConfig) -> data.TextDataset:
+  """The packed tokens of the corpus of `config.data`.
 
   Raises:
-    ConfigError: naming `data.path`, `data.seq_len` or `data.validation_fraction`.
+    ConfigError: naming `data.path`, `data.seq_len`, `data.validation_fraction`,
+      `data.tokenizer` or `data.eod_token`.
   """
   section = config.data
-  try:
+  with _data_errors("cannot make the text data"):
     return data.text(path=section.path, seq_len=section.seq_len,
-                     validation_fraction=section.validation_fraction)
+                     validation_fraction=section.validation_fraction, tokenizer=section.tokenizer,
+                     eod_token=section.eod_token)
+
+
+def tokenizer(config: LMConfig) -> data.Tokenizer:
+  """The tokenizer of a run's `config.data`: `ssmkit.data.load_tokenizer` of its keys.
+
+  Raises:
+    ConfigError: naming `data.tokenizer` or `data.eod_token`.
+  """
+  with _data_errors("cannot read the tokenizer"):
+    return data.load_tokenizer(config.data.tokenizer, config.data.eod_token)
+
+
+@contextlib.contextmanager
+def _data_errors(what: str) -> Iterator[None]:
+  """Turns a `ValueError` naming an argument of `ssmkit.data.text` into a `ConfigError` naming
+  its `data.` key."""
+  try:
+    yield
   except ValueError as error:
-    message = re.sub(r"`(path|seq_len|validation_fraction)`", r"`data.\1`", str(error))
-    raise ConfigError(f"cannot make the text data: {message}") from None
+    message = re.sub(r"`(path|seq_len|validation_fraction|tokenizer|eod_token)`", r"`data.\1`",
+                     str(error))
+    raise ConfigError(f"{what}: {message}") from None
 
 
-def results(dataset: data.SequenceDataset, result: dict[str, float]) -> dict[str, float]:
+def results(dataset: data.TextDataset, result: dict[str, float]) -> dict[str, float]:
   """The validation results: loss (nats per token), accuracy, perplexity, bits per byte.
 
   Bits per byte count the summed loss of every target, end-of-document tokens included, over
-  the bytes of text among the targets.
+  the bytes of text behind the targets (`dataset.target_bytes_test`), whatever the tokenizer.
   """
   tokens = dataset.y_test.size
-  text_bytes = int(np.sum(dataset.y_test < data.ByteTokenizer().eod))
+  text_bytes = int(np.sum(dataset.target_bytes_test))
   bits = result["loss"] * tokens / math.log(2)
   return {"test_loss": result["loss"], "test_accuracy": result["accuracy"],
           "test_perplexity": math.exp(result["loss"]), "test_bits_per_byte": bits / max(text_bytes, 1)}
 
 
-# The samples after each evaluation: the first SAMPLE_PROMPT bytes of the first held-out
-# documents, continued by SAMPLE_BYTES bytes, greedily and sampled.
-SAMPLE_DOCUMENTS, SAMPLE_PROMPT, SAMPLE_BYTES = 2, 24, 48
+# The samples after each evaluation: the first SAMPLE_PROMPT tokens of the first held-out
+# documents, continued by SAMPLE_TOKENS tokens, greedily and sampled.
+SAMPLE_DOCUMENTS, SAMPLE_PROMPT, SAMPLE_TOKENS = 2, 24, 48
 
 
 def samples(run: supervised.Setup, state: TrainState) -> list[str]:
   """Continuations of the starts of the first held-out documents: greedy, and sampled at
-  temperature 0.8 (seed 0), each up to `SAMPLE_BYTES` bytes or the end of the document.
+  temperature 0.8 (seed 0), each up to `SAMPLE_TOKENS` tokens or the end of the document.
 
   The prompts are the same at every evaluation, and one compiled `generate` serves both kinds.
   """
-  tokenizer = data.ByteTokenizer()
+  coder = run.dataset.tokenizer
   stream = run.dataset.x_test.reshape(-1)
   reset = run.dataset.reset_test.reshape(-1)
   prompts = [stream[start:start + 1 + SAMPLE_PROMPT] for start in np.flatnonzero(reset)
@@ -76,18 +99,17 @@ def samples(run: supervised.Setup, state: TrainState) -> list[str]:
   lines = []
   for kind, temperature in (("greedy", 0.0), ("sampled", 0.8)):
     written = np.asarray(layers.generate(
-        run.model, variables(state), np.stack(prompts), SAMPLE_BYTES, rng=jax.random.key(0),
-        temperature=jnp.float32(temperature), eos_token=tokenizer.eod))
+        run.model, variables(state), np.stack(prompts), SAMPLE_TOKENS, rng=jax.random.key(0),
+        temperature=jnp.float32(temperature), eos_token=coder.eod))
     for prompt, tokens in zip(prompts, written, strict=True):
-      lines.append(f"{kind}: {tokenizer.decode(prompt)!r} -> {_until_the_end(tokens)!r}")
+      lines.append(f"{kind}: {coder.decode(prompt)!r} -> {_until_the_end(tokens, coder)!r}")
   return lines
 
 
-def _until_the_end(tokens: np.ndarray) -> str:
-  """The text of generated byte tokens up to the first end-of-document token."""
-  tokenizer = data.ByteTokenizer()
-  ends = np.flatnonzero(tokens == tokenizer.eod)
-  return tokenizer.decode(tokens[:ends[0] if ends.size else len(tokens)])
+def _until_the_end(tokens: np.ndarray, coder: data.Tokenizer) -> str:
+  """The text of generated tokens up to the first end-of-document token."""
+  ends = np.flatnonzero(tokens == coder.eod)
+  return coder.decode(tokens[:ends[0] if ends.size else len(tokens)])
 
 
 # Language-model runs, as the supervised trainer takes them.
@@ -116,33 +138,41 @@ def evaluate(workdir: str | pathlib.Path, step: int | None = None) -> dict[str, 
 
 def load(workdir: str | pathlib.Path, step: int | None = None
          ) -> tuple[layers.SequenceModel, dict[str, Any], LMConfig]:
-  """`(model, variables, config)` of a checkpoint: `layers.generate(model, variables, prompt, n)`
-  continues byte tokens (`ssmkit.data.ByteTokenizer().encode(text)`)."""
+  """`(model, variables, config)` of a checkpoint: `complete(model, variables, prompt, n,
+  tokenizer=tokenizer(config))` continues text, and `layers.generate` continues tokens."""
   return supervised.load(workdir, step, task=TASK)
 
 
-def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str, max_bytes: int, *,
-             rng: Any = None, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None) -> str:
-  """The text a byte-level language model writes after `prompt`, as the start of a document.
+def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str, max_tokens: int, *,
+             tokenizer: data.Tokenizer | None = None, rng: Any = None, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None) -> str:
+  """The text a language model writes after `prompt`, as the start of a document.
 
   The prompt follows an end-of-document token (every document of a run starts with one); the
   model continues it with `ssmkit.layers.generate` until it writes the end-of-document token
-  or `max_bytes` tokens. Bytes that do not end a UTF-8 character become U+FFFD.
+  or `max_tokens` tokens.
 
   Args:
     model, variables: a language model of a `task: lm` run, e.g. from `load`.
     prompt: the start of the document.
-    max_bytes: at most this many tokens are generated.
+    max_tokens: at most this many tokens are generated.
+    tokenizer: the run's tokenizer (`tokenizer(config)`); None for bytes (`ByteTokenizer`),
+      where bytes that do not end a UTF-8 character become U+FFFD.
     rng, temperature, top_k, top_p: as `ssmkit.layers.generate` takes them; temperature 0
       (the default) is greedy.
 
   Returns:
     The continuation, without the prompt.
-  """
-  tokenizer = data.ByteTokenizer()
-  tokens = np.array([[tokenizer.eod, *tokenizer.encode(prompt)]], np.int32)
-  written = layers.generate(model, variables, tokens, max_bytes, rng=rng, temperature=temperature,
-                            top_k=top_k, top_p=top_p, eos_token=tokenizer.eod)
-  return _until_the_end(np.asarray(written)[0])
 
+  Raises:
+    ValueError: naming `tokenizer` when its vocabulary is not the model's, and as
+      `ssmkit.layers.generate` (a prompt longer than an attention cache, say).
+  """
+  coder = data.ByteTokenizer() if tokenizer is None else tokenizer
+  if coder.vocab_size != model.vocab_size:
+    raise ValueError(f"`tokenizer` has {coder.vocab_size} tokens, but the model reads "
+                     f"{model.vocab_size}: give the tokenizer of the model's run.")
+  tokens = np.array([[coder.eod, *coder.encode(prompt)]], np.int32)
+  written = layers.generate(model, variables, tokens, max_tokens, rng=rng, temperature=temperature,
+                            top_k=top_k, top_p=top_p, eos_token=coder.eod)
+  return _until_the_end(np.asarray(written)[0], coder)
