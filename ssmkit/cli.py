@@ -41,6 +41,10 @@ _BENCHMARKS = {
         "ssmkit.bench.linear_attention",
         "linear_attention and delta_rule per mode against lax.scan and quadratic attention",
     ),
+    "training": (
+        "ssmkit.bench.training",
+        "one optimizer step of each lm config, and a 1B model's memory per device under fsdp",
+    ),
 }
 
 
@@ -48,6 +52,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
   # Imported on use: `bench rl` needs rlax, which the other commands do not.
   module = importlib.import_module(_BENCHMARKS[args.benchmark][0])
   options = {"layers": args.layers} if args.benchmark == "layers" else {}
+  if args.benchmark == "training":
+    options = {"configs": args.configs}
   return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown, **options)
 
 
@@ -91,6 +97,11 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
           "--layers", nargs="+", metavar="LAYER",
           help="only these layers, by class name (LRU, Mamba2, GatedDeltaNet, ...); the depth "
           "sweep runs when LRU is among them; default: every layer of the suite",
+      )
+    if name == "training":
+      parser.add_argument(
+          "--configs", nargs="+", metavar="CONFIG",
+          help="only these shipped lm configs in the throughput table; default: every one",
       )
     parser.set_defaults(run=_run_benchmark)
   text = (f"every benchmark above ({', '.join(_BENCHMARKS)}) in one run: each table printed as "

@@ -86,6 +86,26 @@ def test_bench_sequence_parallel_on_one_device_says_how_to_get_more(capsys, monk
   assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in capsys.readouterr().out
 
 
+def test_bench_training_small_times_a_config_and_shards_the_memory(capsys):
+  args = ["bench", "training", "--shapes", "small", "--repeats", "2"]
+  assert cli.main([*args, "--configs", "lm_mamba"]) == 0
+  out = capsys.readouterr().out
+  assert "lm_mamba " in out and "lm_attention" not in out and " 2x16 " in out
+  held = {}
+  for line in out.splitlines():
+    match = re.match(r"data=(\d+) fsdp=(\d+) +([\d.]+) ", line)
+    if match:
+      held[int(match[2])] = float(match[3])
+  count = min(8, len(jax.devices()))
+  assert sorted(held) == [n for n in (1, 2, 4, 8) if n <= count]
+  # Parameters and Adam moments are cut over fsdp: at most the replicated leftovers (biases,
+  # norm scales of widths fsdp does not divide) above 1/fsdp of the whole.
+  for n, mib in held.items():
+    assert held[1] / n <= mib < held[1] / n + 0.02 * held[1]
+  assert cli.main([*args, "--configs", "lm_gru"]) == 2
+  assert "`--configs` ['lm_gru'] are not shipped lm configs" in capsys.readouterr().err
+
+
 def _fake_benchmark(seconds_per_shape):
   """A registered benchmark module whose shapes each take `seconds_per_shape`."""
   module = types.ModuleType("fake_benchmark")

@@ -408,10 +408,12 @@ def test_eval_command_reproduces_the_final_evaluation(uninterrupted, capsys):
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-  """A run on 8 devices stopped by SIGINT after update 3, resumed on 1 device from update 2.
+  """A run on 8 devices (data=2, fsdp=4) stopped by SIGINT after update 3, resumed on 1 device
+  from update 2.
 
-  The environments are split over the 8 devices, so a resumed run that continues the
-  one-device trajectory also shows that the split run computes what one device does.
+  The environments are split over the 8 devices and the parameters and optimizer state sharded
+  over 4 of them, so a resumed run that continues the one-device trajectory also shows that
+  the sharded run computes what one device does.
   """
   workdir = tmp_path_factory.mktemp("interrupted")
   handler_before = signal.getsignal(signal.SIGINT)
@@ -422,7 +424,8 @@ def interrupted(tmp_path_factory):
 
   with multi_device.on_host_devices(), jax.enable_x64(True):
     with pytest.raises(train.Interrupted) as stop:
-      train.train_and_evaluate(_config("ppo_memory_lru", "mesh.data=8"), workdir, hooks=[send_sigint])
+      train.train_and_evaluate(_config("ppo_memory_lru", "mesh.data=2", "mesh.fsdp=4"), workdir,
+                               hooks=[send_sigint])
     after_stop = {
         "handler": signal.getsignal(signal.SIGINT),
         "checkpoints": sorted(p.name for p in (workdir / "checkpoints").iterdir()),

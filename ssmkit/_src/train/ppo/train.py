@@ -72,12 +72,14 @@ def setup(config: PPOConfig) -> Setup:
   env = make_env(config.env)
   agent = make_agent(config.model, env)
   tx, schedule = make_optimizer(config.ppo, config.train.updates)
-  mesh = parallel.data_mesh(config.mesh, config.env.num_envs, "env.num_envs")
+  mesh = parallel.make_mesh(config.mesh, config.env.num_envs, "env.num_envs")
   replicated, split = parallel.replicated(mesh), parallel.split(mesh)
-  # The environments, and all that goes with them, are split over the devices.
-  shardings = PPOState(train_state=replicated, actor=split, key=replicated, update=replicated)
-  state = jax.tree.map(lambda sharding, part: parallel.place(part, sharding), shardings,
-                       create_ppo_state(agent, env, tx, jax.random.key(config.train.seed)))
+  initial = create_ppo_state(agent, env, tx, jax.random.key(config.train.seed))
+  # The environments, and all that goes with them, are split over the devices; the policy's
+  # parameters and optimizer state are sharded over "fsdp".
+  shardings = PPOState(train_state=parallel.state_shardings(mesh, initial.train_state), actor=split,
+                       key=replicated, update=replicated)
+  state = jax.tree.map(lambda sharding, part: parallel.place(part, sharding), shardings, initial)
   return Setup(env, mesh, agent, state, shardings, schedule)
 
 

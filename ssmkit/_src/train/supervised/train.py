@@ -63,6 +63,7 @@ class Setup(NamedTuple):
   order: TrainOrder
   total_steps: int
   state: TrainState
+  shardings: TrainState
   dropout_key: jax.Array
 
 
@@ -135,7 +136,7 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   """
   task.validate(config)
   dataset = task.dataset(config)
-  mesh = parallel.data_mesh(config.mesh, config.data.batch_size, "data.batch_size")
+  mesh = parallel.make_mesh(config.mesh, config.data.batch_size, "data.batch_size")
   model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
@@ -143,9 +144,9 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
   state = create_train_state(model, tx, example, params_key, config.model.mode)
-  replicated = parallel.replicated(mesh)
-  return Setup(dataset, mesh, model, order, length, parallel.place(state, replicated),
-               parallel.place(dropout_key, replicated))
+  shardings = parallel.state_shardings(mesh, state)
+  return Setup(dataset, mesh, model, order, length, parallel.place(state, shardings), shardings,
+               parallel.place(dropout_key, parallel.replicated(mesh)))
 
 
 class _TestSplit(NamedTuple):
@@ -212,7 +213,8 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
   replicated, split = parallel.replicated(run.mesh), parallel.split(run.mesh)
   train_arrays = parallel.place(split_arrays(run.dataset, "train"), replicated)
   test = _test_split(run, config.data.batch_size)
-  step_fn = jax.jit(functools.partial(train_steps, sharding=split), out_shardings=replicated)
+  step_fn = jax.jit(functools.partial(train_steps, sharding=split),
+                    out_shardings=(run.shardings, replicated))
   rhythm = Rhythm(run.total_steps, config.train.log_every, config.train.eval_every,
                   config.train.checkpoint_every)
   schedule = learning_rate_schedule(config.optimizer, config.optimizer.learning_rate, run.total_steps)
