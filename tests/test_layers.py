@@ -145,13 +145,37 @@ def test_jit_vmap_and_shapes(layer):
   assert jax.eval_shape(layer.apply, params, X[0]).shape == SHAPE[1:]  # no batch axis
 
 
-def test_bfloat16_inputs_keep_their_dtype(layer):
+def _equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, custom rules)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, tuple | list) else (value,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
+
+# The layers whose projections (outside the recurrence's own matrices) run in bfloat16 for
+# bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
+PROJECTING = frozenset({"Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU", "Attention"})
+
+
+def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
   params = _params(layer)
   run = compiled.run(layer)
   y = run(params, X.astype(jnp.bfloat16), None)
   assert y.dtype == jnp.bfloat16
   _assert_close(y.astype(jnp.float32), run(params, X.astype(jnp.bfloat16).astype(jnp.float32), None),
                 rtol=2e-2)
+  products = lambda x: [eqn for eqn in _equations(jax.make_jaxpr(layer.apply)(params, x).jaxpr)
+                        if eqn.primitive.name == "dot_general"]
+  narrow = [eqn for eqn in products(X.astype(jnp.bfloat16))
+            if all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)]
+  # bfloat16 products sum in float32.
+  assert all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in narrow)
+  assert bool(narrow) == (type(layer).__name__ in PROJECTING)
+  assert all(v.aval.dtype != jnp.bfloat16 for eqn in products(X) for v in eqn.invars)
 
 
 def _after_a_reset(params, x, reset, state, *, layer):

@@ -15,7 +15,6 @@ import numpy as np
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.norms import rms_norm
-from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -199,11 +198,12 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   if length == 0:
     unflat = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), state)
     return jnp.zeros(x.shape, x.dtype), unflat
-  xf = x.astype(accumulation_dtype(x.dtype)).reshape(rows, length, features)
+  xf = x.reshape(rows, length, features)
+  dtype = common.computation_dtype(x.dtype)
   reset = jnp.zeros((rows, length), bool) if reset is None else reset.reshape(rows, length)
 
   def project(name: str, count: int) -> Array:
-    y = xf @ params[f"{name}_proj"]
+    y = common.project(xf, params[f"{name}_proj"], dtype)
     if f"{name}_bias" in params:
       y = y + common.leading_ones(params[f"{name}_bias"], y.ndim)
     return y.reshape(rows, length, count, head_dim)
@@ -237,7 +237,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   poisoned = bad_query | _reads(cfg, last_reset, flagged[:, -length:], cached)
   out = _blockwise(cfg, q_clean, document, keys._replace(k=k_clean, v=v_clean))
   out = jnp.where(poisoned[..., None, None], jnp.nan, out)
-  y = out.reshape(rows, length, heads * head_dim) @ params["o_proj"]
+  y = common.project(out.reshape(rows, length, heads * head_dim), params["o_proj"], dtype)
   if "o_bias" in params:
     y = y + common.leading_ones(params["o_bias"], y.ndim)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src import checks
+from ssmkit._src.linear_recurrence import accumulation_dtype
 
 Array = jax.Array
 
@@ -167,3 +168,19 @@ def clear(state: Any, reset: Array | None) -> Any:
     return jnp.where(flags, jnp.zeros_like(s), s)
 
   return jax.tree.map(leaf, state)
+
+
+def computation_dtype(dtype: Any) -> Any:
+  """The dtype a layer's projections compute in for inputs of `dtype`: bfloat16 or float16
+  inputs (mixed precision) keep theirs; other inputs compute in their accumulation dtype
+  (float32, or float64 for float64 inputs)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+    return dtype
+  return accumulation_dtype(dtype)
+
+
+def project(v: Array, w: Array, dtype: Any) -> Array:
+  """`v @ w` with both operands in `dtype` (a `computation_dtype`), summed and returned in its
+  accumulation dtype: under mixed precision, bfloat16 products with float32 sums and results."""
+  return jnp.matmul(v.astype(dtype), w.astype(dtype), preferred_element_type=accumulation_dtype(dtype))

@@ -83,22 +83,25 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   k_dim, v_dim = _sizes(cfg, features)
   heads = cfg.num_heads
   xf = x.astype(accumulation_dtype(x.dtype))
+  dtype = common.computation_dtype(x.dtype)
   # q, k and v each have their own convolution: one convolution over the three side by side.
-  qkv = jnp.concatenate([xf @ params[name] for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
+  qkv = jnp.concatenate([common.project(x, params[name], dtype)
+                         for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
   kernel = jnp.concatenate([params[name] for name in ("q_conv", "k_conv", "v_conv")], axis=-1)
   qkv, window = causal_conv(qkv, kernel, None, state.conv, reset)
   q, k, v = jnp.split(jax.nn.silu(qkv), [heads * k_dim, 2 * heads * k_dim], axis=-1)
   by_head = lambda m: m.reshape(*m.shape[:-1], heads, m.shape[-1] // heads)
   q, k, v = by_head(q), by_head(k), by_head(v)
-  beta = jax.nn.sigmoid(xf @ params["b_proj"])
+  beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
   step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
   g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
   o, s = delta_rule(_unit(q) * k_dim**-0.5, _unit(k), v, beta, g, initial_state=state.recurrent,
                     reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
                     check_log_decay=False)
   # The output gate after a per-head RMSNorm.
-  o = rms_norm(o, params["norm_scale"]) * jax.nn.silu(by_head(xf @ params["g_proj"]))
-  y = o.reshape(*o.shape[:-2], heads * v_dim) @ params["o_proj"]
+  o = rms_norm(o, params["norm_scale"]) * jax.nn.silu(by_head(common.project(x, params["g_proj"],
+                                                                             dtype)))
+  y = common.project(o.reshape(*o.shape[:-2], heads * v_dim), params["o_proj"], dtype)
   return y.astype(x.dtype), ConvRecurrentState(window, s)
 
 

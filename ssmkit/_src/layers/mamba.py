@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.initializers import dt_bias_init, uniform
-from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.modes import Mode
 from ssmkit._src.selective_scan import selective_scan
 
@@ -61,38 +60,42 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
 
 
 def _project(params: dict[str, Array], x: Array) -> tuple[Array, Array]:
-  """The in-projection's two halves: the SSM branch v and the gate z, `(..., d_inner)` each."""
+  """The in-projection's two halves: the SSM branch v and the gate z, `(..., d_inner)` each,
+  computed in `x`'s `computation_dtype`."""
   inner = params["D"].shape[0]
   w_in = params["in_proj"]
-  return x @ w_in[:, :inner], x @ w_in[:, inner:]
+  dtype = common.computation_dtype(x.dtype)
+  return common.project(x, w_in[:, :inner], dtype), common.project(x, w_in[:, inner:], dtype)
 
 
-def _selective(cfg: Any, params: dict[str, Array], u: Array) -> tuple[Array, Array, Array]:
-  """(dt `(..., d_inner)`, B `(..., N)`, C `(..., N)`) from the activated input u."""
+def _selective(cfg: Any, params: dict[str, Array], u: Array, dtype: Any
+               ) -> tuple[Array, Array, Array]:
+  """(dt `(..., d_inner)`, B `(..., N)`, C `(..., N)`) from the activated input u; the
+  x-projection in `dtype`, the step size's own projection in u's."""
   rank = params["dt_proj"].shape[0]
-  dbc = u @ params["x_proj"]
+  dbc = common.project(u, params["x_proj"], dtype)
   dt = jax.nn.softplus(dbc[..., :rank] @ params["dt_proj"]
                        + common.leading_ones(params["dt_bias"], u.ndim))
   return dt, dbc[..., rank : rank + cfg.d_state], dbc[..., rank + cfg.d_state :]
 
 
-def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array) -> Array:
+def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array, dtype: Any) -> Array:
   y = y + u * common.leading_ones(params["D"], u.ndim)
-  return (y * jax.nn.silu(z)) @ params["out_proj"]
+  return common.project(y * jax.nn.silu(z), params["out_proj"], dtype)
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """The Mamba block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
-  xf = x.astype(accumulation_dtype(x.dtype))
-  v, z = _project(params, xf)
+  v, z = _project(params, x)
   conv, window = causal_conv(v, params["conv_kernel"], params["conv_bias"], state.conv, reset)
   u = jax.nn.silu(conv)
-  dt, b, c = _selective(cfg, params, u)
+  dtype = common.computation_dtype(x.dtype)
+  dt, b, c = _selective(cfg, params, u, dtype)
   y, last = selective_scan(u, dt, -jnp.exp(params["A_log"]), b, c, h0=state.recurrent, reset=reset,
                            mode=mode)
-  return _gate_and_project(params, y, u, z).astype(x.dtype), ConvRecurrentState(window, last)
+  return _gate_and_project(params, y, u, z, dtype).astype(x.dtype), ConvRecurrentState(window, last)
 
 
 def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
@@ -108,19 +111,19 @@ def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Arr
          reset: Array | None = None) -> tuple[ConvRecurrentState, Array]:
   """One step of the Mamba block on `(*batch, H)` inputs: `(state, y_t)`."""
   conv, ssm = common.clear(state, reset)
-  xf = x_t.astype(accumulation_dtype(x_t.dtype))
-  v, z = _project(params, xf)
+  v, z = _project(params, x_t)
+  dtype = common.computation_dtype(x_t.dtype)
   window = jnp.concatenate([conv, v[..., None, :]], axis=-2)
   kernel = common.leading_ones(params["conv_kernel"], window.ndim)
   u = jax.nn.silu(jnp.sum(window * kernel, axis=-2)
                   + common.leading_ones(params["conv_bias"], v.ndim))
-  dt, b, c = _selective(cfg, params, u)
+  dt, b, c = _selective(cfg, params, u, dtype)
   a = -jnp.exp(params["A_log"])
   ssm = jnp.exp(dt[..., None] * common.leading_ones(a, dt.ndim + 1)) * ssm + (
       (dt * u)[..., None] * b[..., None, :]
   )
   y = jnp.einsum("...dn,...n->...d", ssm, c)
-  y = _gate_and_project(params, y, u, z).astype(x_t.dtype)
+  y = _gate_and_project(params, y, u, z, dtype).astype(x_t.dtype)
   return ConvRecurrentState(window[..., 1:, :], ssm), y
 
 

@@ -15,7 +15,6 @@ from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import gated_rms_norm
-from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.linear_attention import linear_attention
 from ssmkit._src.modes import Mode
 
@@ -66,9 +65,10 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   inner, heads, bc = _sizes(cfg, features)
-  xf = x.astype(accumulation_dtype(x.dtype))
+  dtype = common.computation_dtype(x.dtype)
   # The projection's order, as in the reference: [z, x, B, C, dt].
-  z, xbc, dt = jnp.split(xf @ params["in_proj"], [inner, 2 * inner + bc], axis=-1)
+  z, xbc, dt = jnp.split(common.project(x, params["in_proj"], dtype), [inner, 2 * inner + bc],
+                         axis=-1)
   xbc, window = causal_conv(xbc, params["conv_kernel"], params["conv_bias"], state.conv, reset)
   u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
   u = u.reshape(*u.shape[:-1], heads, cfg.head_dim)
@@ -83,7 +83,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                             check_log_decay=False)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
   y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"])
-  return (y @ params["out_proj"]).astype(x.dtype), ConvRecurrentState(window, ssm)
+  return (common.project(y, params["out_proj"], dtype).astype(x.dtype),
+          ConvRecurrentState(window, ssm))
 
 
 def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Array,

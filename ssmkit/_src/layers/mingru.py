@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from ssmkit._src.layers import common, functional, initializers
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.linear_recurrence import linear_recurrence
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -47,13 +47,14 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
              initial_state: Array | None = None) -> tuple[Array, Array]:
   """minGRU over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
-  xf = x.astype(accumulation_dtype(x.dtype))
-  dense = lambda name: xf @ params[f"{name}_proj"] + common.leading_ones(params[f"{name}_bias"], xf.ndim)
+  dtype = common.computation_dtype(x.dtype)
+  dense = lambda name: (common.project(x, params[f"{name}_proj"], dtype)
+                        + common.leading_ones(params[f"{name}_bias"], x.ndim))
   k, candidate = dense("z"), dense("h")
   # 1 - z = sigmoid(-k), exact where z is close to 1.
   h, last = linear_recurrence(jax.nn.sigmoid(-k), jax.nn.sigmoid(k) * candidate, state,
                               reset=reset, axis=-2, mode=mode, return_final_state=True)
-  y = h @ params["out_proj"] if "out_proj" in params else h
+  y = common.project(h, params["out_proj"], dtype) if "out_proj" in params else h
   return y.astype(x.dtype), last
 
 

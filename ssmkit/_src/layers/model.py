@@ -171,7 +171,8 @@ class SequenceModel(nn.Module):
     logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
     dtype: the computation dtype of the model's activations, embeddings, norms and
       projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
-      parameters. The layers take their inputs in it and keep their recurrences in float32.
+      parameters. The layers take their inputs in it, multiply their projections in it
+      (summed in float32) and keep their recurrences in float32.
     param_dtype: the dtype of the model's own parameters (encoder, norms, projections,
       decoder); the layers' parameters follow their own `param_dtype`.
   """

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import causal_conv, zero_window
-from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.linear_recurrence import linear_recurrence
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -120,17 +120,19 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
              initial_state: RGLRUState | None = None) -> tuple[Array, RGLRUState]:
   """Griffin's recurrent block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
-  xf = x.astype(accumulation_dtype(x.dtype))
   length = x.shape[-2]
   position = jax.lax.broadcasted_iota(jnp.int32, (*state.started.shape, length), state.started.ndim)
   first = (position == 0) & ~state.started[..., None]  # a sequence's first step
   reset = first if reset is None else reset | first
 
-  def dense(v: Array, name: str) -> Array:
-    return v @ params[f"{name}_proj"] + common.leading_ones(params[f"{name}_bias"], v.ndim)
+  dtype = common.computation_dtype(x.dtype)
 
-  gate_branch = jax.nn.gelu(dense(xf, "y"))
-  u, window = causal_conv(dense(xf, "x"), params["conv_kernel"], params["conv_bias"], state.conv, reset)
+  def dense(v: Array, name: str) -> Array:
+    return (common.project(v, params[f"{name}_proj"], dtype)
+            + common.leading_ones(params[f"{name}_bias"], v.ndim))
+
+  gate_branch = jax.nn.gelu(dense(x, "y"))
+  u, window = causal_conv(dense(x, "x"), params["conv_kernel"], params["conv_bias"], state.conv, reset)
   gate_x = jax.nn.sigmoid(_block_diagonal(u, params["input_gate"], params["input_gate_bias"]))
   gate_a = jax.nn.sigmoid(_block_diagonal(u, params["a_gate"], params["a_gate_bias"]))
   log_a = -C * gate_a * common.leading_ones(jax.nn.softplus(params["a_param"]), u.ndim)
