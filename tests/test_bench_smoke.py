@@ -97,7 +97,7 @@ def test_bench_training_small_times_a_config_and_shards_the_memory(capsys):
     if match:
       held[int(match[2])] = float(match[3])
   count = min(8, len(jax.devices()))
-  assert sorted(held) == [n for n in (1, 2, 4, 8) if n <= count]
+  assert sorted(held) == sorted({1, max(n for n in (1, 2, 4, 8) if n <= count)})
   # Parameters and Adam moments are cut over fsdp: at most the replicated leftovers (biases,
   # norm scales of widths fsdp does not divide) above 1/fsdp of the whole.
   for n, mib in held.items():

@@ -160,6 +160,8 @@ def run(*, shapes: str, repeats: int, markdown: bool, configs: list[str] | None 
           f"host devices:\n  {_HOW_TO_GET_DEVICES}")
   print()
   fsdps = [n for n in (1, 2, 4, 8) if n <= len(devices)]
+  if shapes == "small":  # the two ends: a whole copy per device, and the state cut the most
+    fsdps = sorted({fsdps[0], fsdps[-1]})
   config.data.batch_size = len(devices)
   table = _timing.StreamedTable(("mesh", "params+Adam MiB", "XLA args MiB", "XLA temp MiB"),
                                 [[f"data={len(devices) // n} fsdp={n}" for n in fsdps]],
