@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import compiled
 import ssmkit.nnx as snx
 from ssmkit import layers
-from ssmkit._src.layers.block import MLPS
+from ssmkit._src.layers.block import MLPS, Norm
 
 ATTENTION = functools.partial(layers.Attention, num_heads=2, num_kv_heads=1, head_dim=4, window=5,
                               rope_fraction=0.5)
@@ -38,14 +39,14 @@ def _assert_close(actual, expected, rtol=1e-5):
   np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=rtol * scale)
 
 
-def _rms_norm(p, u):
+def _rms_norm(p, u, eps=1e-6):
   u = np.asarray(u, np.float64)
-  return u / np.sqrt(np.mean(u**2, -1, keepdims=True) + 1e-6) * np.asarray(p["RMSNorm_0"]["scale"])
+  return u / np.sqrt(np.mean(u**2, -1, keepdims=True) + eps) * np.asarray(p["RMSNorm_0"]["scale"])
 
 
-def _layer_norm(p, u):
+def _layer_norm(p, u, eps=1e-6):
   u = np.asarray(u, np.float64)
-  normed = (u - u.mean(-1, keepdims=True)) / np.sqrt(u.var(-1, keepdims=True) + 1e-6)
+  normed = (u - u.mean(-1, keepdims=True)) / np.sqrt(u.var(-1, keepdims=True) + eps)
   return normed * np.asarray(p["LayerNorm_0"]["scale"]) + np.asarray(p["LayerNorm_0"]["bias"])
 
 
@@ -89,6 +90,39 @@ def test_mixer_block_matches_its_formula(mlp, norm, mlp_bias):
   assert all(("bias" in p) == mlp_bias for name, p in params.items() if name.startswith("mlp_") and
              name != "mlp_norm")
   _assert_close(compiled.run(block)({"params": params}, x), expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_a_norms_epsilon_is_the_one_given(kind):
+  x = _x((3, 8)) * 0.1  # small, so that the epsilon matters
+  norm = Norm(kind, eps=0.5)
+  params = norm.init(jax.random.key(0), x)["params"]
+  formula = _rms_norm if kind == "rms" else _layer_norm
+  _assert_close(norm.apply({"params": params}, x), formula(params, x, eps=0.5), rtol=1e-5)
+
+
+def test_norm_eps_reaches_every_norm_of_both_front_ends():
+  """`norm_eps` sets the blocks' norms before the mixer and the MLP and the final norm, in
+  linen and in the NNX twin that `from_linen` makes (whose outputs are linen's)."""
+  model = _model(num_blocks=2, norm_eps=0.5)
+  x = _tokens((2, 7))
+  variables = compiled.init(model, x.shape, 0, "int32")
+  seen = []
+
+  def record(call, args, kwargs, context):
+    if isinstance(context.module, nn.RMSNorm) and context.method_name == "__call__":
+      seen.append(context.module.epsilon)
+    return call(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    y = model.apply(variables, x)
+  assert seen == [0.5] * 5
+  twin = snx.from_linen(model, variables)
+  assert [n.epsilon for _, n in nnx.iter_graph(twin) if isinstance(n, nnx.RMSNorm)] == [0.5] * 5
+  _assert_close(twin(x), y, rtol=1e-5)
+  assert snx.to_linen(twin)[0].norm_eps == 0.5
+  with pytest.raises(ValueError, match=r"`norm_eps` must be > 0 or None, got 0.0"):
+    compiled.init(_model(num_blocks=2, norm_eps=0.0), x.shape, 0, "int32")
 
 
 def _model(pattern="griffin", **kwargs):

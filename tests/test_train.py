@@ -322,6 +322,7 @@ def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(num
         (["model.prenorm=false"], r"`model\.prenorm` must be True"),
         (["model.tie_embeddings=true"], r"`model\.tie_embeddings` needs token inputs"),
         (["model.logit_cap=0"], r"`model\.logit_cap` must be > 0"),
+        (["model.norm_eps=-1e-5"], r"`model\.norm_eps` must be > 0"),
         (["model.mlp_expansion=0"], r"`model\.mlp_expansion` must be > 0"),
         (["model.scan_blocks=true", "model.num_blocks=2"],
          r"`model\.scan_blocks` needs `num_blocks` >="),

@@ -132,7 +132,8 @@ class Norm(nn.Module):
   """LayerNorm, RMSNorm or BatchNorm over the feature axis; BatchNorm skips masked steps.
 
   `dtype` is the dtype of its outputs (None: its inputs'; statistics are taken in float32 for
-  narrower inputs), `param_dtype` that of its scale and bias.
+  narrower inputs), `param_dtype` that of its scale and bias, `eps` the epsilon added to the
+  variance (None: flax's default, 1e-6 for LayerNorm and RMSNorm, 1e-5 for BatchNorm).
 
   BatchNorm uses batch statistics and updates the "batch_stats" collection when `train`, and
   its running averages (momentum 0.9) otherwise, which makes it a per-step map at inference.
@@ -141,11 +142,13 @@ class Norm(nn.Module):
   kind: str = "layer"
   dtype: Any = None
   param_dtype: Any = jnp.float32
+  eps: float | None = None
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False) -> Array:
     check_choice(self.kind, NORMS, "norm")
-    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    precision = dict(dtype=self.dtype, param_dtype=self.param_dtype,
+                     **({} if self.eps is None else {"epsilon": self.eps}))
     if self.kind == "layer":
       return nn.LayerNorm(**precision)(x)
     if self.kind == "rms":
@@ -159,14 +162,17 @@ class _Block(nn.Module):
 
   `dtype` is the computation dtype of its norms and projections (None: that of their inputs
   and parameters), `param_dtype` the dtype of their parameters; the layer has its own.
+  `norm_eps` is its norms' epsilon (None: flax's default, see `Norm`).
   """
 
   layer: ModuleDef = LRU
   dtype: Any = None
   param_dtype: Any = jnp.float32
+  norm_eps: float | None = None
 
   def _norm(self, name: str) -> Norm:
-    return Norm(self.norm, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    return Norm(self.norm, dtype=self.dtype, param_dtype=self.param_dtype, eps=self.norm_eps,
+                name=name)
 
   def _dense(self, features: int, name: str, **options: Any) -> nn.Dense:
     return nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype, name=name, **options)

@@ -34,8 +34,9 @@ BLOCKS = ("ssm", "mixer")
 # The options each kind of block takes from its model, by the same names on both front ends'
 # models and blocks.
 BLOCK_OPTIONS = {
-    "ssm": ("norm", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
-    "mixer": ("norm", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype", "param_dtype"),
+    "ssm": ("norm", "norm_eps", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
+    "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype",
+              "param_dtype"),
 }
 
 
@@ -80,6 +81,8 @@ def check_model(model: Any) -> None:
     raise ValueError("`scale_embeddings` scales token embeddings: it needs `vocab_size`.")
   if model.logit_cap is not None and not model.logit_cap > 0:
     raise ValueError(f"`logit_cap` must be > 0 or None, got {model.logit_cap!r}.")
+  if model.norm_eps is not None and not model.norm_eps > 0:
+    raise ValueError(f"`norm_eps` must be > 0 or None, got {model.norm_eps!r}.")
   length = len(layer_pattern(model.layer))
   if model.scan_blocks and model.num_blocks < length:
     raise ValueError(f"`scan_blocks` needs `num_blocks` >= the length of the layer pattern, got "
@@ -154,6 +157,8 @@ class SequenceModel(nn.Module):
     block: "ssm" (`SSMBlock`: norm, layer, activation or GLU, residual) or "mixer"
       (`MixerBlock`: pre-norm, layer, residual, then an optional pre-norm MLP and residual).
     norm: "layer", "batch" or "rms", in the blocks and after them.
+    norm_eps: the epsilon of every norm; None: flax's default (1e-6 for "layer" and "rms",
+      1e-5 for "batch"). Published Mamba checkpoints use 1e-5.
     activation: "gelu", "glu" or "half_glu" (block "ssm", see `SSMBlock`).
     mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer", see `MixerBlock`).
     mlp_expansion: the MLP's hidden width over `features` (block "mixer").
@@ -185,6 +190,7 @@ class SequenceModel(nn.Module):
   pooling: str = "mean"
   block: str = "ssm"
   norm: str = "layer"
+  norm_eps: float | None = None
   activation: str = "glu"
   mlp: str = "none"
   mlp_expansion: float = 4.0
@@ -255,7 +261,7 @@ class SequenceModel(nn.Module):
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
                                 return_state=return_state, mode=mode, train=train)
     if self.prenorm:
-      x = Norm(self.norm, name="final_norm", **precision)(x, mask, train=train)
+      x = Norm(self.norm, eps=self.norm_eps, name="final_norm", **precision)(x, mask, train=train)
     if not single_step:
       x = pool(x, mask, self.pooling)
     if self.tie_embeddings:

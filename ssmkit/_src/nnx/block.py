@@ -36,10 +36,12 @@ NORM_MODULES: dict[str, type[Norm]] = {"layer": nnx.LayerNorm, "rms": nnx.RMSNor
 
 
 def make_norm(kind: str, features: int, rngs: nnx.Rngs, *, dtype: Any = None,
-              param_dtype: Any = jnp.float32) -> Norm:
-  """The norm "layer", "rms" or "batch" over `features`, with the linen block's settings."""
+              param_dtype: Any = jnp.float32, eps: float | None = None) -> Norm:
+  """The norm "layer", "rms" or "batch" over `features`, with the linen block's settings
+  (`eps` None: flax's default epsilon)."""
   check_choice(kind, NORMS, "norm")
-  precision = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  precision = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                   **({} if eps is None else {"epsilon": eps}))
   if kind == "batch":
     return nnx.BatchNorm(features, momentum=0.9, **precision)
   return NORM_MODULES[kind](features, **precision)
@@ -127,8 +129,9 @@ class SSMBlock(_Block):
   _layer_name = "ssm"
 
   def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
-               param_dtype: Any = jnp.float32, norm: str = "layer", activation: str = "glu",
-               dropout_rate: float = 0.0, prenorm: bool = True, rngs: nnx.Rngs):
+               param_dtype: Any = jnp.float32, norm: str = "layer", norm_eps: float | None = None,
+               activation: str = "glu", dropout_rate: float = 0.0, prenorm: bool = True,
+               rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -137,6 +140,7 @@ class SSMBlock(_Block):
       dtype: the computation dtype of the norm and projections; None: their inputs'.
       param_dtype: the dtype of their parameters (the layer has its own).
       norm: "layer", "batch" or "rms".
+      norm_eps: the norm's epsilon; None: flax's default.
       activation: "gelu", "glu" or "half_glu".
       dropout_rate: dropout after the activation and after the GLU, in training mode.
       prenorm: normalise the block input (True) or the residual sum (False).
@@ -148,7 +152,8 @@ class SSMBlock(_Block):
     self.activation = activation
     self.prenorm = prenorm
     self.dtype, self.param_dtype = dtype, param_dtype
-    self.norm = make_norm(norm, features, rngs, dtype=dtype, param_dtype=param_dtype)
+    self.norm_eps = norm_eps
+    self.norm = make_norm(norm, features, rngs, dtype=dtype, param_dtype=param_dtype, eps=norm_eps)
     self.ssm = layer(features, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     linear = functools.partial(nnx.Linear, features, features, dtype=dtype, param_dtype=param_dtype,
@@ -189,9 +194,9 @@ class MixerBlock(_Block):
   _layer_name = "mixer"
 
   def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
-               param_dtype: Any = jnp.float32, norm: str = "rms", mlp: str = "none",
-               mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
-               rngs: nnx.Rngs):
+               param_dtype: Any = jnp.float32, norm: str = "rms", norm_eps: float | None = None,
+               mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
+               dropout_rate: float = 0.0, rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -200,6 +205,7 @@ class MixerBlock(_Block):
       dtype: the computation dtype of the norms and the MLP; None: their inputs'.
       param_dtype: the dtype of their parameters (the layer has its own).
       norm: "rms", "layer" or "batch".
+      norm_eps: the norms' epsilon; None: flax's default.
       mlp: "none", "gelu", "geglu" or "swiglu" (see `ssmkit.layers.MixerBlock`).
       mlp_expansion: the MLP's hidden width over `features`.
       mlp_bias: biases in the MLP's projections.
@@ -214,13 +220,14 @@ class MixerBlock(_Block):
     self.mlp_bias = mlp_bias
     self.dtype, self.param_dtype = dtype, param_dtype
     precision = dict(dtype=dtype, param_dtype=param_dtype)
-    self.norm = make_norm(norm, features, rngs, **precision)
+    self.norm_eps = norm_eps
+    self.norm = make_norm(norm, features, rngs, eps=norm_eps, **precision)
     self.mixer = layer(features, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     hidden = mlp_width(features, mlp_expansion)
     linear = functools.partial(nnx.Linear, use_bias=mlp_bias, rngs=rngs, **precision)
     has_mlp = mlp != "none"
-    self.mlp_norm = make_norm(norm, features, rngs, **precision) if has_mlp else None
+    self.mlp_norm = make_norm(norm, features, rngs, eps=norm_eps, **precision) if has_mlp else None
     self.mlp_up = linear(features, hidden) if has_mlp else None
     self.mlp_gate = linear(features, hidden) if mlp in ("geglu", "swiglu") else None
     self.mlp_down = linear(hidden, features) if has_mlp else None

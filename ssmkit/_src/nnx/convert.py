@@ -31,8 +31,8 @@ Array = jax.Array
 Module = Layer | SSMBlock | MixerBlock | SequenceModel
 # The options of a `SequenceModel` beside its layers, by the same names in both front ends.
 _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
-                  "activation", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm",
-                  "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap", "dtype",
+                  "norm_eps", "activation", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate",
+                  "prenorm", "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap", "dtype",
                   "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
@@ -193,14 +193,14 @@ def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
                                        **{name: getattr(model, name) for name in _MODEL_OPTIONS})
   elif isinstance(model, SSMBlock):
     module = linen_block.SSMBlock(
-        layer=_linen_factory(model.ssm), norm=norm_kind(model.norm), activation=model.activation,
-        dropout_rate=model.dropout.rate, prenorm=model.prenorm, dtype=model.dtype,
-        param_dtype=model.param_dtype)
+        layer=_linen_factory(model.ssm), norm=norm_kind(model.norm), norm_eps=model.norm_eps,
+        activation=model.activation, dropout_rate=model.dropout.rate, prenorm=model.prenorm,
+        dtype=model.dtype, param_dtype=model.param_dtype)
   elif isinstance(model, MixerBlock):
     module = linen_block.MixerBlock(
-        layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), mlp=model.mlp,
-        mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias, dropout_rate=model.dropout.rate,
-        dtype=model.dtype, param_dtype=model.param_dtype)
+        layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), norm_eps=model.norm_eps,
+        mlp=model.mlp, mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias,
+        dropout_rate=model.dropout.rate, dtype=model.dtype, param_dtype=model.param_dtype)
   elif isinstance(model, Layer):
     module = type(model).linen(**_options(model))
   else:

@@ -67,9 +67,9 @@ class SequenceModel(nnx.Module):
                layer: Callable[..., nnx.Module] | Sequence[Callable[..., nnx.Module]] = LRU,
                features: int = 64, num_blocks: int = 2, vocab_size: int | None = None,
                pooling: str = "mean", block: str = "ssm", norm: str = "layer",
-               activation: str = "glu", mlp: str = "none", mlp_expansion: float = 4.0,
-               mlp_bias: bool = False, dropout_rate: float = 0.0, prenorm: bool = True,
-               scan_blocks: bool = False, tie_embeddings: bool = False,
+               norm_eps: float | None = None, activation: str = "glu", mlp: str = "none",
+               mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
+               prenorm: bool = True, scan_blocks: bool = False, tie_embeddings: bool = False,
                scale_embeddings: bool = False, logit_cap: float | None = None, dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
@@ -85,6 +85,7 @@ class SequenceModel(nnx.Module):
       pooling: "mean" or "last" over the real steps of `mask`, or "none".
       block: "ssm" (`SSMBlock`) or "mixer" (`MixerBlock`).
       norm: "layer", "batch" or "rms".
+      norm_eps: the epsilon of every norm; None: flax's default.
       activation: "gelu", "glu" or "half_glu" (block "ssm").
       mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer").
       mlp_expansion: the MLP's hidden width over `features` (block "mixer").
@@ -114,6 +115,7 @@ class SequenceModel(nnx.Module):
     self.pooling = pooling
     self.block = block
     self.norm = norm
+    self.norm_eps = norm_eps
     self.activation = activation
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
@@ -145,7 +147,7 @@ class SequenceModel(nnx.Module):
       self.blocks = nnx.List([stack(make, repeats) for make in blocks])
       tail = nnx.List([stack(make, 1) for make in blocks[:rest]]) if rest else None
     self.tail = tail
-    self.final_norm = make_norm(norm, features, rngs, **precision) if prenorm else None
+    self.final_norm = make_norm(norm, features, rngs, eps=norm_eps, **precision) if prenorm else None
     self.decoder = None if tie_embeddings else nnx.Linear(features, num_outputs, rngs=rngs,
                                                           **precision)
 

@@ -52,6 +52,8 @@ class ModelConfig:
   block: str = "ssm"
   # Normalisation in the blocks.
   norm: str = "layer"
+  # Epsilon of every norm; null: flax's default (1e-6 for layer and rms, 1e-5 for batch).
+  norm_eps: float | None = None
   # After the layer of an "ssm" block: GELU, or GELU and a gated linear unit.
   activation: str = "glu"
   # The MLP of a "mixer" block: none, gelu, geglu or swiglu.
@@ -95,10 +97,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Each numeric field of the `model` section with the smallest value it may take.
 MINIMUMS: dict[str, float] = {"model.features": 1, "model.num_blocks": 1}
 # Each numeric field of the `model` section that must be > 0 (None passes).
-POSITIVE = ("model.mlp_expansion", "model.logit_cap")
+POSITIVE = ("model.mlp_expansion", "model.logit_cap", "model.norm_eps")
 
 # The options of `ssmkit.layers.SequenceModel` that the section gives by the same names.
-_MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "activation", "mlp",
+_MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "norm_eps", "activation", "mlp",
                   "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm", "scan_blocks",
                   "tie_embeddings", "scale_embeddings", "logit_cap")
 # Names of the layer's scope inside an `ssmkit.layers.SSMBlock` and a `MixerBlock`.
