@@ -1,0 +1,72 @@
+"""Makes the Hugging Face checkpoint fixtures of tests/fixtures/pretrained with `transformers` itself.
+
+For each architecture that `ssmkit.pretrained` loads, a tiny random model built by
+`transformers` from a small config, saved with `save_pretrained` (config.json and
+model.safetensors), beside `expected.npz`: input ids, the model's float32 logits for them and
+its greedy continuation of 20 tokens (`generate`, cached decoding). The parameters are the
+library's initialisation plus Gaussian noise of standard deviation `NOISE`, so that no weight is
+a constant (norm scales of 1, zero biases) and a mapping error shows in the logits.
+
+This script needs torch and transformers, which the test extra does not install; run it in
+a separate environment, from the repository root:
+
+    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
+    /tmp/hf/bin/python scripts/make_pretrained_fixtures.py
+
+The suite reads the files it writes; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "pretrained"
+VOCAB, BATCH, LENGTH, NEW_TOKENS = 96, 2, 13, 20
+# The noise added to every initial parameter: enough for greedy decoding not to settle on one token.
+NOISE = 0.5
+
+CONFIGS = {
+    "mamba": transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+        conv_kernel=4, time_step_rank=4, use_bias=False, use_conv_bias=True,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
+}
+
+
+def _noisy(model: torch.nn.Module, seed: int) -> None:
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for parameter in model.parameters():
+      parameter.add_(NOISE * torch.randn(parameter.shape, generator=generator))
+
+
+def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> None:
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  _noisy(model, seed)
+  folder = ROOT / name
+  folder.mkdir(parents=True, exist_ok=True)
+  model.save_pretrained(folder, safe_serialization=True)
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, VOCAB, (BATCH, LENGTH))
+  with torch.no_grad():
+    logits = model(torch.as_tensor(ids)).logits.float().numpy()
+    written = model.generate(torch.as_tensor(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+  np.savez(folder / "expected.npz", input_ids=ids.astype(np.int32), logits=logits.astype(np.float32),
+           generated=written[:, LENGTH:].astype(np.int32))
+  versions = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": seed}
+  (folder / "made_by.json").write_text(json.dumps(versions, indent=2) + "\n")
+  size = sum(f.stat().st_size for f in folder.iterdir())
+  print(f"{name}: {size / 1024:.0f} KiB in {folder}")
+
+
+if __name__ == "__main__":
+  for name, config in CONFIGS.items():
+    make(name, config)

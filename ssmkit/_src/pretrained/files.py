@@ -1,0 +1,109 @@
+"""A Hugging Face checkpoint directory: its `config.json` and its safetensors weights.
+
+A directory holds `config.json` and either one `model.safetensors` or shards listed by
+`model.safetensors.index.json`. Weights are read by `safetensors` into JAX arrays (bfloat16
+ones included), each named by its tensor name; every error names the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that ssmkit cannot load exactly: the message names the file, tensor or field."""
+
+
+def read_config(directory: pathlib.Path) -> dict[str, Any]:
+  """The `config.json` of `directory`.
+
+  Raises:
+    CheckpointError: naming the file when it is missing or not a JSON object.
+  """
+  path = directory / CONFIG
+  if not path.is_file():
+    raise CheckpointError(f"{path} does not exist: a Hugging Face checkpoint directory holds "
+                          f"{CONFIG} beside its weights.")
+  try:
+    config = json.loads(path.read_text())
+  except json.JSONDecodeError as error:
+    raise CheckpointError(f"{path} is not JSON: {error}.") from None
+  if not isinstance(config, dict):
+    raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+  return config
+
+
+def read_weights(directory: pathlib.Path) -> dict[str, Any]:
+  """Every tensor of the checkpoint in `directory`, by name: one file or the shards of an index.
+
+  Raises:
+    CheckpointError: naming the file when there are no weights, an index names a missing
+      shard, or a file is not safetensors.
+  """
+  from safetensors.flax import load_file
+
+  index = directory / INDEX
+  if index.is_file():
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, Mapping):
+      raise CheckpointError(f"{index} has no `weight_map` object.")
+    files = sorted(set(weight_map.values()))
+  elif (directory / SINGLE).is_file():
+    files = [SINGLE]
+  else:
+    raise CheckpointError(f"{directory} holds neither {SINGLE} nor {INDEX}: no weights to load "
+                          "(ssmkit reads safetensors, not PyTorch .bin files).")
+  tensors: dict[str, Any] = {}
+  for name in files:
+    path = directory / name
+    if not path.is_file():
+      raise CheckpointError(f"{index} lists the shard {name}, which {directory} does not hold.")
+    try:
+      tensors.update(load_file(str(path)))
+    except Exception as error:  # safetensors raises its own error types for bad files
+      raise CheckpointError(f"{path} cannot be read as safetensors: {error}.") from None
+  return tensors
+
+
+class Tensors:
+  """The tensors of one checkpoint, taken one by one with their expected shapes.
+
+  Attributes:
+    source: the directory, for error messages.
+  """
+
+  def __init__(self, tensors: dict[str, Any], source: pathlib.Path):
+    self._tensors = dict(tensors)
+    self.source = source
+
+  def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor `name` as float32, checked to have `shape`.
+
+    Raises:
+      CheckpointError: naming the tensor when it is missing or of another shape.
+    """
+    if name not in self._tensors:
+      raise CheckpointError(f"{self.source}: the weight {name!r} is missing.")
+    value = self._tensors.pop(name)
+    if tuple(value.shape) != tuple(shape):
+      raise CheckpointError(f"{self.source}: the weight {name!r} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(shape)}.")
+    return np.asarray(value, np.float32)
+
+  def has(self, name: str) -> bool:
+    return name in self._tensors
+
+  def finish(self) -> None:
+    """Raises `CheckpointError` naming the tensors that no parameter took."""
+    if self._tensors:
+      raise CheckpointError(f"{self.source}: weights that ssmkit's model has no place for: "
+                            f"{sorted(self._tensors)}.")

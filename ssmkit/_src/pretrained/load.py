@@ -1,0 +1,116 @@
+"""`load`: a Hugging Face checkpoint as an ssmkit `SequenceModel` and its variables."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from ssmkit._src.layers.model import SequenceModel
+from ssmkit._src.pretrained import mamba
+from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
+
+# Each architecture ssmkit loads, by its `architectures` name in config.json.
+ARCHITECTURES = {mamba.ARCHITECTURE: mamba}
+
+
+def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
+  """A local checkpoint directory, or the hub snapshot of a repository id (needs a network and
+  `pip install "ssmkit[hub]"`).
+
+  Raises:
+    CheckpointError: naming the path when it is neither a directory nor a repository id that
+      can be downloaded here.
+  """
+  directory = pathlib.Path(path_or_repo_id).expanduser()
+  if directory.is_dir():
+    return directory
+  name = str(path_or_repo_id)
+  if directory.exists() or name.count("/") != 1:
+    raise CheckpointError(f"`path_or_repo_id` {name!r} is neither a checkpoint directory nor a "
+                          "Hugging Face repository id (owner/name).")
+  try:
+    from huggingface_hub import snapshot_download
+  except ImportError:
+    raise CheckpointError(f"`path_or_repo_id` {name!r} is not a directory here; to download it from "
+                          'the Hugging Face hub, `pip install "ssmkit[hub]"`, or download the '
+                          "directory elsewhere and give its path.") from None
+  try:
+    return pathlib.Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+  except Exception as error:  # the hub's errors: no network, no such repository, gated access
+    raise CheckpointError(f"`path_or_repo_id` {name!r} could not be downloaded: {error}") from None
+
+
+def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = False
+         ) -> tuple[Any, Any, dict[str, Any]]:
+  """A published checkpoint as an ssmkit language model: `(model, variables, config)`.
+
+  Reads `config.json` and the safetensors weights (one file or the shards of an index) of a
+  `transformers` checkpoint and builds the `SequenceModel` that computes what the checkpoint's
+  own implementation computes, with float32 parameters (bfloat16 checkpoints widen exactly).
+  An architecture, config field or tensor that ssmkit cannot express exactly is an error
+  naming it, never an approximation.
+
+  Args:
+    path_or_repo_id: a local directory, or a hub repository id such as
+      "state-spaces/mamba-130m-hf" (downloaded with `huggingface_hub`, the `hub` extra).
+    dtype: the model's computation dtype (e.g. `jnp.bfloat16`); None: float32.
+    nnx: return the NNX twin (`ssmkit.nnx.SequenceModel`) instead of the linen model.
+
+  Returns:
+    `(model, variables, config)`: the linen model and `{"params": ...}`, or with `nnx` the NNX
+    model and its `nnx.state`; and the checkpoint's config.json as a dict. Tokens in, logits
+    out: `model.apply(variables, ids)` (linen) or `model(ids)` (NNX), and
+    `ssmkit.layers.generate` continues a prompt.
+
+  Raises:
+    CheckpointError: naming the file, field or tensor that does not fit (a `ValueError`).
+
+  Examples:
+    >>> import ssmkit.pretrained
+    >>> sorted(ssmkit.pretrained.ARCHITECTURES)
+    ['MambaForCausalLM']
+  """
+  directory = checkpoint_directory(path_or_repo_id)
+  values = read_config(directory)
+  fields = Fields(values, directory / CONFIG)
+  names = fields.get("architectures", [])
+  known = [name for name in names if name in ARCHITECTURES] if isinstance(names, list) else []
+  if len(known) != 1:
+    raise CheckpointError(f"{directory / CONFIG}: `architectures` {names!r} names none that ssmkit "
+                          f"loads ({', '.join(sorted(ARCHITECTURES))}).")
+  architecture = ARCHITECTURES[known[0]]
+  model = SequenceModel(**architecture.options(fields), dtype=dtype)
+  tensors = Tensors(read_weights(directory), directory)
+  params = architecture.params(tensors, fields, model)
+  tensors.finish()
+  _check_tree(model, params, directory)
+  variables = {"params": jax.tree.map(np.asarray, params)}
+  if nnx:
+    from flax import nnx as flax_nnx
+
+    from ssmkit._src.nnx.convert import from_linen
+
+    twin = from_linen(model, variables)
+    return twin, flax_nnx.state(twin), values
+  return model, variables, values
+
+
+def _check_tree(model: SequenceModel, params: dict[str, Any], directory: pathlib.Path) -> None:
+  """Checks that `params` has every parameter of `model`, of its shape.
+
+  Raises:
+    CheckpointError: naming the parameters missing, extra or of another shape.
+  """
+  expected = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
+  want = {"/".join(k): v.shape for k, v in traverse_util.flatten_dict(expected["params"]).items()}
+  got = {"/".join(k): np.shape(v) for k, v in traverse_util.flatten_dict(params).items()}
+  if want != got:
+    wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    raise CheckpointError(f"{directory}: the weights do not fill ssmkit's model: missing {missing}, "
+                          f"extra {extra}, of another shape {wrong}.")

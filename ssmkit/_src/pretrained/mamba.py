@@ -1,0 +1,81 @@
+"""`MambaForCausalLM` checkpoints (state-spaces/mamba-*-hf, `transformers`' Mamba) as a `SequenceModel`.
+
+The model is pre-norm residual blocks `x + mixer(RMSNorm(x))` around `ssmkit.layers.Mamba`, a
+final RMSNorm and the embedding's transpose as the head: `SequenceModel(block="mixer",
+norm="rms", mlp="none")`. Torch's linear weights are `(out, in)`, ssmkit's `(in, out)`; the
+depthwise convolution's `(D, 1, K)` weight is ssmkit's `(K, D)` kernel, taps in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from ssmkit._src.layers.mamba import Mamba
+from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.files import Tensors
+
+ARCHITECTURE = "MambaForCausalLM"
+
+
+def options(fields: Fields) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of a Mamba `config.json`.
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit's Mamba cannot compute exactly.
+  """
+  fields.require("hidden_act", "silu")
+  fields.require("use_bias", False)
+  features, expand = fields.int("hidden_size"), fields.int("expand", 2)
+  fields.require("intermediate_size", expand * features)
+  rank = fields.get("time_step_rank", "auto")
+  layer = functools.partial(Mamba, d_state=fields.int("state_size", 16),
+                            d_conv=fields.int("conv_kernel", 4), expand=expand,
+                            dt_rank=math.ceil(features / 16) if rank == "auto" else fields.int(
+                                "time_step_rank"))
+  vocab = fields.int("vocab_size")
+  return dict(num_outputs=vocab, vocab_size=vocab, features=features,
+              num_blocks=fields.int("num_hidden_layers"), layer=layer, pooling="none",
+              block="mixer", norm="rms", norm_eps=fields.float("layer_norm_epsilon", 1e-5),
+              mlp="none", tie_embeddings=fields.get("tie_word_embeddings", True))
+
+
+def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+  features, layer = model.features, model.layer
+  inner, n, k = layer.keywords["expand"] * features, layer.keywords["d_state"], layer.keywords["d_conv"]
+  rank = layer.keywords["dt_rank"]
+  vocab = model.vocab_size
+  tree: dict[str, Any] = {"encoder": {"embedding": tensors.take("backbone.embeddings.weight",
+                                                                (vocab, features))}}
+  for i in range(model.num_blocks):
+    prefix = f"backbone.layers.{i}"
+    mixer = f"{prefix}.mixer"
+    linear = lambda name, out, into, mixer=mixer: tensors.take(f"{mixer}.{name}.weight", (out, into)).T
+    conv_bias = (tensors.take(f"{mixer}.conv1d.bias", (inner,)) if fields.get("use_conv_bias", True)
+                 else np.zeros(inner, np.float32))
+    tree[f"block_{i}"] = {
+        "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
+        "mixer": {
+            "in_proj": linear("in_proj", 2 * inner, features),
+            "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner, 1, k))[:, 0, :].T,
+            "conv_bias": conv_bias,
+            "x_proj": linear("x_proj", rank + 2 * n, inner),
+            "dt_proj": linear("dt_proj", inner, rank),
+            "dt_bias": tensors.take(f"{mixer}.dt_proj.bias", (inner,)),
+            "A_log": tensors.take(f"{mixer}.A_log", (inner, n)),
+            "D": tensors.take(f"{mixer}.D", (inner,)),
+            "out_proj": linear("out_proj", features, inner),
+        },
+    }
+  tree["final_norm"] = {"RMSNorm_0": {"scale": tensors.take("backbone.norm_f.weight", (features,))}}
+  if model.tie_embeddings:
+    if tensors.has("lm_head.weight"):  # a tied head saved anyway is the embedding itself
+      tensors.take("lm_head.weight", (vocab, features))
+  else:
+    tree["decoder"] = {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
+                       "bias": np.zeros(vocab, np.float32)}
+  return tree

@@ -1,0 +1,130 @@
+"""Hugging Face checkpoints loaded by `ssmkit.pretrained`, against `transformers`' own outputs.
+
+The fixtures in tests/fixtures/pretrained were made by `transformers` itself
+(scripts/make_pretrained_fixtures.py): tiny random models saved with `save_pretrained`, their
+float32 logits and greedy continuations. The suite never imports torch.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.flax import save_file as save_jax
+from safetensors.numpy import load_file, save_file
+
+import ssmkit.nnx as snx
+import ssmkit.pretrained
+from ssmkit import layers
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
+ARCHITECTURES = {"mamba": "MambaForCausalLM"}
+
+
+def _expected(name):
+  return np.load(FIXTURES / name / "expected.npz")
+
+
+def _relative_error(got, want):
+  return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_checkpoint_computes_the_logits_and_greedy_text_of_transformers(name):
+  expected = _expected(name)
+  ids, steps = expected["input_ids"], expected["generated"].shape[1]
+  model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
+  assert config["architectures"] == [ARCHITECTURES[name]]
+  assert _relative_error(jax.jit(model.apply)(variables, ids), expected["logits"]) < 1e-4
+  # Prefill, then one token at a time from the state.
+  np.testing.assert_array_equal(layers.generate(model, variables, ids, steps, temperature=0.0),
+                                expected["generated"])
+  twin, state, _ = ssmkit.pretrained.load(FIXTURES / name, nnx=True)
+  assert isinstance(twin, snx.SequenceModel) and jax.tree.leaves(state)
+  assert _relative_error(twin(jnp.asarray(ids)), expected["logits"]) < 1e-4
+  np.testing.assert_array_equal(snx.generate(twin, ids, steps, temperature=0.0), expected["generated"])
+
+
+def _copy(tmp_path, name="mamba"):
+  folder = tmp_path / name
+  shutil.copytree(FIXTURES / name, folder)
+  return folder
+
+
+def _logits(folder):
+  model, variables, _ = ssmkit.pretrained.load(folder)
+  return np.asarray(jax.jit(model.apply)(variables, _expected("mamba")["input_ids"]))
+
+
+def test_sharded_and_bfloat16_checkpoints_load(tmp_path):
+  folder = _copy(tmp_path)
+  tensors = load_file(str(folder / "model.safetensors"))
+  (folder / "model.safetensors").unlink()
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2]}
+  for shard, members in shards.items():
+    save_file({n: tensors[n] for n in members}, str(folder / shard))
+  weight_map = {n: shard for shard, members in shards.items() for n in members}
+  (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  np.testing.assert_array_equal(_logits(folder), _logits(FIXTURES / "mamba"))
+  # bfloat16 weights widen exactly: every parameter is the float32 one rounded to bfloat16.
+  rounded = _copy(tmp_path / "bf16")
+  save_jax({n: jnp.asarray(v, jnp.bfloat16) for n, v in tensors.items()},
+           str(rounded / "model.safetensors"))
+  _, exact, _ = ssmkit.pretrained.load(FIXTURES / "mamba")
+  _, widened, _ = ssmkit.pretrained.load(rounded)
+  round_trip = lambda v: np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)
+  jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, round_trip(want)), widened, exact)
+  assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(widened))
+
+
+def _edit_config(folder, **changes):
+  path = folder / "config.json"
+  path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_weights(folder, edit):
+  path = folder / "model.safetensors"
+  tensors = load_file(str(path))
+  edit(tensors)
+  save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
+         r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads \(MambaForCausalLM"),
+        (lambda f: _edit_config(f, use_bias=True), r"`use_bias`=True is not supported"),
+        (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
+        (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),
+        (lambda f: _edit_weights(f, lambda t: t.pop("backbone.layers.1.mixer.D")),
+         r"the weight 'backbone.layers.1.mixer.D' is missing"),
+        (lambda f: _edit_weights(f, lambda t: t.update({"backbone.norm_f.weight": np.ones(3)})),
+         r"the weight 'backbone.norm_f.weight' has shape \(3,\), expected \(32,\)"),
+        (lambda f: _edit_weights(f, lambda t: t.update({"backbone.extra": np.ones(3)})),
+         r"weights that ssmkit's model has no place for: \['backbone.extra'\]"),
+        (lambda f: (f / "model.safetensors").unlink(), r"holds neither model.safetensors nor"),
+        (lambda f: (f / "model.safetensors").write_bytes(b"not a tensor file"),
+         r"model.safetensors cannot be read as safetensors"),
+        (lambda f: (f / "config.json").unlink(), r"config.json does not exist"),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_named(change, message, tmp_path):
+  folder = _copy(tmp_path)
+  change(folder)
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+    ssmkit.pretrained.load(folder)
+
+
+def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"neither a checkpoint directory nor"):
+    ssmkit.pretrained.load(tmp_path / "nothing" / "here" / "at_all")
+  # A repository id: downloaded where the hub extra and a network are present, named otherwise.
+  with pytest.raises(ssmkit.pretrained.CheckpointError,
+                     match=r"'no-such-owner/no-such-model' (is not a directory here|could not be)"):
+    ssmkit.pretrained.load("no-such-owner/no-such-model")
