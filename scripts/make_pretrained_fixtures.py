@@ -3,7 +3,9 @@
 For each architecture that `ssmkit.pretrained` loads, a tiny random model built by
 `transformers` from a small config, saved with `save_pretrained` (config.json and
 model.safetensors), beside `expected.npz`: input ids, the model's float32 logits for them and
-its greedy continuation of 20 tokens (`generate`, cached decoding). The parameters are the
+its greedy continuation of 20 tokens (`generate` re-running the whole sequence for each
+token: the full forward pass defines the model, and `transformers`' cached Mamba-2 step skips
+`time_step_limit`). The parameters are the
 library's initialisation plus Gaussian noise of standard deviation `NOISE`, so that no weight is
 a constant (norm scales of 1, zero biases) and a mapping error shows in the logits.
 
@@ -36,6 +38,11 @@ CONFIGS = {
         conv_kernel=4, time_step_rank=4, use_bias=False, use_conv_bias=True,
         layer_norm_epsilon=1e-5, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    "mamba2": transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8,
+        n_groups=2, conv_kernel=4, chunk_size=8, time_step_limit=(0.01, 0.5), use_bias=False,
+        use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -58,7 +65,8 @@ def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> Non
   with torch.no_grad():
     logits = model(torch.as_tensor(ids)).logits.float().numpy()
     written = model.generate(torch.as_tensor(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             use_cache=False).numpy()
   np.savez(folder / "expected.npz", input_ids=ids.astype(np.int32), logits=logits.astype(np.float32),
            generated=written[:, LENGTH:].astype(np.int32))
   versions = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": seed}

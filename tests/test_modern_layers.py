@@ -63,8 +63,10 @@ class _Conv:
     return out if self.bias is None else out + self.bias
 
 
-def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups):
-  """Mamba2Simple's forward pass one step at a time (the recurrent form of ssd_minimal)."""
+def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups, dt_limit=(0, np.inf), eps=1e-5,
+                      norm_groups=1):
+  """Mamba2Simple's forward pass one step at a time (the recurrent form of ssd_minimal), with
+  `transformers`' step clip and its gated norm over `norm_groups` groups of channels."""
   inner = p["norm_scale"].shape[0]
   heads = inner // head_dim
   conv = _Conv(p["conv_kernel"], p["conv_bias"])
@@ -80,13 +82,14 @@ def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups):
     u, b, c = np.split(xbc, [inner, inner + n_groups * d_state])
     u = u.reshape(heads, head_dim)
     b, c = b.reshape(n_groups, d_state), c.reshape(n_groups, d_state)
-    dt = _softplus(dt + p["dt_bias"])
+    dt = np.clip(_softplus(dt + p["dt_bias"]), *dt_limit)
     y = np.zeros((heads, head_dim))
     for h in range(heads):
       g = h // (heads // n_groups)
       state[h] = np.exp(dt[h] * a[h]) * state[h] + np.outer(u[h] * dt[h], b[g])
       y[h] = state[h] @ c[g] + p["D"][h] * u[h]
-    y = _rms_norm(y.reshape(inner) * _silu(z), 1e-5) * p["norm_scale"]
+    gated = (y.reshape(inner) * _silu(z)).reshape(norm_groups, inner // norm_groups)
+    y = _rms_norm(gated, eps).reshape(inner) * p["norm_scale"]
     ys.append(y @ p["out_proj"])
   return np.stack(ys)
 
@@ -99,6 +102,26 @@ def test_mamba2_matches_the_reference_module():
   expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
                                head_dim=3, n_groups=2)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+
+
+def test_mamba2_clips_its_step_and_normalises_per_group_as_transformers():
+  """`dt_limit` that bites (steps here lie around 0.7), a per-group norm over 2 groups, and
+  another epsilon, in the sequence and step by step."""
+  layer = layers.Mamba2(d_state=5, head_dim=3, n_groups=2, d_conv=4, dt_limit=(0.05, 0.4),
+                        norm_per_group=True, norm_eps=0.3)
+  x, reset = _x((23, 6)), _resets(23)
+  params = compiled.init(layer, x.shape, 11)
+  expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
+                               head_dim=3, n_groups=2, dt_limit=(0.05, 0.4), eps=0.3, norm_groups=2)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  state, stepped = layer.initialize_state(x.shape[1:]), []
+  step = compiled.run(layer, method="step")
+  for t in range(x.shape[0]):
+    state, y = step(params, state, x[t], reset[t])
+    stepped.append(y)
+  _assert_close(np.stack(stepped), expected)
+  with pytest.raises(ValueError, match=r"`dt_limit` must be \(low, high\)"):
+    layers.Mamba2(head_dim=8, dt_limit=(0.5, 0.1)).init(jax.random.key(0), _x((4, 16)))
 
 
 def test_mamba2_initialisation_follows_the_reference():

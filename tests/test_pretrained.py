@@ -21,7 +21,7 @@ import ssmkit.pretrained
 from ssmkit import layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
-ARCHITECTURES = {"mamba": "MambaForCausalLM"}
+ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
 
 def _expected(name):
@@ -98,7 +98,8 @@ def _edit_weights(folder, edit):
     ("change", "message"),
     [
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
-         r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads \(MambaForCausalLM"),
+         r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads "
+         r"\(Mamba2ForCausalLM, MambaForCausalLM\)"),
         (lambda f: _edit_config(f, use_bias=True), r"`use_bias`=True is not supported"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
         (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),
@@ -118,6 +119,21 @@ def test_a_checkpoint_that_does_not_fit_is_named(change, message, tmp_path):
   folder = _copy(tmp_path)
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+    ssmkit.pretrained.load(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_heads": 3}, r"`num_heads` x `head_dim` = 48 must be `expand` x `hidden_size` = 64"),
+        ({"time_step_limit": [0.1]}, r"`time_step_limit` must be \[low, high\], got \[0.1\]"),
+        ({"n_groups": 3}, r"config.json gives a model ssmkit cannot build: `n_groups`=3 must divide"),
+    ],
+)
+def test_a_mamba2_config_that_does_not_fit_is_named(changes, message, tmp_path):
+  folder = _copy(tmp_path, "mamba2")
+  _edit_config(folder, **changes)
+  with pytest.raises(ValueError, match=message):
     ssmkit.pretrained.load(folder)
 
 

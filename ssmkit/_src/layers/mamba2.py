@@ -4,6 +4,7 @@ so the selective SSM is linear attention with a decay (SSD), computed with matri
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -14,7 +15,7 @@ from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
-from ssmkit._src.layers.norms import gated_rms_norm
+from ssmkit._src.layers.norms import EPS, gated_rms_norm
 from ssmkit._src.matrix_state.linear_attention import linear_attention
 from ssmkit._src.modes import Mode
 
@@ -35,6 +36,11 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     raise ValueError(f"`head_dim`={cfg.head_dim} must divide the inner width expand * H = {inner}.")
   if heads % cfg.n_groups:
     raise ValueError(f"`n_groups`={cfg.n_groups} must divide the number of heads, {heads}.")
+  low, high = cfg.dt_limit
+  if not 0 <= low < high:
+    raise ValueError(f"`dt_limit` must be (low, high) with 0 <= low < high, got {cfg.dt_limit!r}.")
+  if not cfg.norm_eps > 0:
+    raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
   conv = inner + bc
   # nn.Linear and nn.Conv1d initialise as U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   return {
@@ -75,14 +81,15 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   # The heads of a group share its B and C.
   groups = lambda m: jnp.repeat(m.reshape(*m.shape[:-1], cfg.n_groups, cfg.d_state),
                                 heads // cfg.n_groups, axis=-2)
-  dt = jax.nn.softplus(dt + common.leading_ones(params["dt_bias"], dt.ndim))
+  dt = jnp.clip(jax.nn.softplus(dt + common.leading_ones(params["dt_bias"], dt.ndim)), *cfg.dt_limit)
   a = -common.leading_ones(jnp.exp(params["A_log"]), dt.ndim)
   y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,
                             initial_state=state.recurrent, reset=reset, mode=mode,
                             chunk_size=cfg.chunk_size, return_final_state=True,
                             check_log_decay=False)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
-  y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"])
+  y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"], cfg.norm_eps,
+                     cfg.n_groups if cfg.norm_per_group else 1)
   return (common.project(y, params["out_proj"], dtype).astype(x.dtype),
           ConvRecurrentState(window, ssm))
 
@@ -120,6 +127,12 @@ class Mamba2(functional.LinenLayer):
     n_groups: groups of heads that share B and C; must divide the number of heads.
     dt_min: smallest initial step.
     dt_max: largest initial step.
+    dt_limit: (low, high): the step size clipped to it after the softplus, in the sequence and
+      in `step` alike (`transformers`' `time_step_limit`); the default changes nothing.
+    norm_eps: the epsilon of the gated RMSNorm.
+    norm_per_group: the gated RMSNorm normalises each of the `n_groups` groups of channels on
+      its own (as state-spaces/mamba and `transformers` do); False: the whole inner width at
+      once (the same when `n_groups` is 1).
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
     param_dtype: dtype of the parameters.
 
@@ -135,6 +148,9 @@ class Mamba2(functional.LinenLayer):
   n_groups: int = 1
   dt_min: float = 1e-3
   dt_max: float = 1e-1
+  dt_limit: tuple[float, float] = (0.0, math.inf)
+  norm_eps: float = EPS
+  norm_per_group: bool = False
   chunk_size: int | None = None
   param_dtype: jnp.dtype = jnp.float32
 

@@ -19,6 +19,10 @@ def rms_norm(y: Array, scale: Array, eps: float = EPS) -> Array:
       scale, y.ndim)
 
 
-def gated_rms_norm(y: Array, gate: Array, scale: Array, eps: float = EPS) -> Array:
-  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm, as Mamba-2)."""
-  return rms_norm(y * jax.nn.silu(gate), scale, eps)
+def gated_rms_norm(y: Array, gate: Array, scale: Array, eps: float = EPS, groups: int = 1) -> Array:
+  """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm, as Mamba-2),
+  each of `groups` equal groups of channels normalised on its own."""
+  u = y * jax.nn.silu(gate)
+  u = u.reshape(*u.shape[:-1], groups, u.shape[-1] // groups)
+  u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + eps)
+  return u.reshape(y.shape) * common.leading_ones(scale, y.ndim)

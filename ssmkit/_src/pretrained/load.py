@@ -10,12 +10,12 @@ import numpy as np
 from flax import traverse_util
 
 from ssmkit._src.layers.model import SequenceModel
-from ssmkit._src.pretrained import mamba
+from ssmkit._src.pretrained import mamba, mamba2
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
 # Each architecture ssmkit loads, by its `architectures` name in config.json.
-ARCHITECTURES = {mamba.ARCHITECTURE: mamba}
+ARCHITECTURES = {module.ARCHITECTURE: module for module in (mamba, mamba2)}
 
 
 def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
@@ -73,7 +73,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   Examples:
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
-    ['MambaForCausalLM']
+    ['Mamba2ForCausalLM', 'MambaForCausalLM']
   """
   directory = checkpoint_directory(path_or_repo_id)
   values = read_config(directory)
@@ -85,10 +85,14 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
                           f"loads ({', '.join(sorted(ARCHITECTURES))}).")
   architecture = ARCHITECTURES[known[0]]
   model = SequenceModel(**architecture.options(fields), dtype=dtype)
+  try:
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
+  except ValueError as error:
+    raise CheckpointError(f"{fields.source} gives a model ssmkit cannot build: {error}") from None
   tensors = Tensors(read_weights(directory), directory)
   params = architecture.params(tensors, fields, model)
   tensors.finish()
-  _check_tree(model, params, directory)
+  _check_tree(shapes["params"], params, directory)
   variables = {"params": jax.tree.map(np.asarray, params)}
   if nnx:
     from flax import nnx as flax_nnx
@@ -100,14 +104,13 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   return model, variables, values
 
 
-def _check_tree(model: SequenceModel, params: dict[str, Any], directory: pathlib.Path) -> None:
-  """Checks that `params` has every parameter of `model`, of its shape.
+def _check_tree(expected: dict[str, Any], params: dict[str, Any], directory: pathlib.Path) -> None:
+  """Checks that `params` has every parameter of the model's `expected` shapes.
 
   Raises:
     CheckpointError: naming the parameters missing, extra or of another shape.
   """
-  expected = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
-  want = {"/".join(k): v.shape for k, v in traverse_util.flatten_dict(expected["params"]).items()}
+  want = {"/".join(k): v.shape for k, v in traverse_util.flatten_dict(expected).items()}
   got = {"/".join(k): np.shape(v) for k, v in traverse_util.flatten_dict(params).items()}
   if want != got:
     wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])

@@ -48,9 +48,7 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   features, layer = model.features, model.layer
   inner, n, k = layer.keywords["expand"] * features, layer.keywords["d_state"], layer.keywords["d_conv"]
   rank = layer.keywords["dt_rank"]
-  vocab = model.vocab_size
-  tree: dict[str, Any] = {"encoder": {"embedding": tensors.take("backbone.embeddings.weight",
-                                                                (vocab, features))}}
+  tree: dict[str, Any] = {}
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
     mixer = f"{prefix}.mixer"
@@ -71,11 +69,21 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
             "out_proj": linear("out_proj", features, inner),
         },
     }
-  tree["final_norm"] = {"RMSNorm_0": {"scale": tensors.take("backbone.norm_f.weight", (features,))}}
-  if model.tie_embeddings:
-    if tensors.has("lm_head.weight"):  # a tied head saved anyway is the embedding itself
-      tensors.take("lm_head.weight", (vocab, features))
-  else:
+  return {**tree, **embedding_and_head(tensors, model)}
+
+
+def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
+  """The embedding, final norm and head of a Mamba or Mamba-2 checkpoint (`backbone.embeddings`,
+  `backbone.norm_f`, `lm_head`): a tied head is the embedding (and a saved copy of it is read
+  and dropped); an untied one is ssmkit's decoder with a zero bias."""
+  vocab, features = model.vocab_size, model.features
+  tree: dict[str, Any] = {
+      "encoder": {"embedding": tensors.take("backbone.embeddings.weight", (vocab, features))},
+      "final_norm": {"RMSNorm_0": {"scale": tensors.take("backbone.norm_f.weight", (features,))}},
+  }
+  if not model.tie_embeddings:
     tree["decoder"] = {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
                        "bias": np.zeros(vocab, np.float32)}
+  elif tensors.has("lm_head.weight"):
+    tensors.take("lm_head.weight", (vocab, features))
   return tree

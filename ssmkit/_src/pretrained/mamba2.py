@@ -1,0 +1,79 @@
+"""`Mamba2ForCausalLM` checkpoints (mamba-codestral, the mamba2-*-hf conversions) as a `SequenceModel`.
+
+Pre-norm residual blocks around `ssmkit.layers.Mamba2`, a final RMSNorm and a head, as
+`transformers`' Mamba-2: its in-projection packs [z, x, B, C, dt] as ssmkit's does, its gated
+RMSNorm normalises each of the `n_groups` groups of channels (`norm_per_group=True`) with the
+config's epsilon, and its step size is clipped to `time_step_limit` (`dt_limit`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.files import CheckpointError, Tensors
+from ssmkit._src.pretrained.mamba import embedding_and_head
+
+ARCHITECTURE = "Mamba2ForCausalLM"
+
+
+def options(fields: Fields) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of a Mamba-2 `config.json`.
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit's Mamba-2 cannot compute exactly.
+  """
+  fields.require("hidden_act", "silu")
+  fields.require("use_bias", False)
+  features, expand = fields.int("hidden_size"), fields.int("expand", 2)
+  head_dim, heads = fields.int("head_dim", 64), fields.int("num_heads")
+  if heads * head_dim != expand * features:
+    raise CheckpointError(f"{fields.source}: `num_heads` x `head_dim` = {heads * head_dim} must be "
+                          f"`expand` x `hidden_size` = {expand * features}.")
+  limit = fields.get("time_step_limit", (0.0, math.inf))
+  if not isinstance(limit, list | tuple) or len(limit) != 2:
+    raise CheckpointError(f"{fields.source}: `time_step_limit` must be [low, high], got {limit!r}.")
+  eps = fields.float("layer_norm_epsilon", 1e-5)
+  layer = functools.partial(Mamba2, d_state=fields.int("state_size", 128),
+                            d_conv=fields.int("conv_kernel", 4), expand=expand, head_dim=head_dim,
+                            n_groups=fields.int("n_groups", 1), dt_limit=tuple(map(float, limit)),
+                            norm_eps=eps, norm_per_group=True)
+  vocab = fields.int("vocab_size")
+  return dict(num_outputs=vocab, vocab_size=vocab, features=features,
+              num_blocks=fields.int("num_hidden_layers"), layer=layer, pooling="none",
+              block="mixer", norm="rms", norm_eps=eps, mlp="none",
+              tie_embeddings=fields.get("tie_word_embeddings", False))
+
+
+def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+  features, options = model.features, model.layer.keywords
+  inner = options["expand"] * features
+  heads, bc = inner // options["head_dim"], 2 * options["n_groups"] * options["d_state"]
+  k = options["d_conv"]
+  tree: dict[str, Any] = {}
+  for i in range(model.num_blocks):
+    prefix = f"backbone.layers.{i}"
+    mixer = f"{prefix}.mixer"
+    conv_bias = (tensors.take(f"{mixer}.conv1d.bias", (inner + bc,))
+                 if fields.get("use_conv_bias", True) else np.zeros(inner + bc, np.float32))
+    tree[f"block_{i}"] = {
+        "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
+        "mixer": {
+            "in_proj": tensors.take(f"{mixer}.in_proj.weight",
+                                    (2 * inner + bc + heads, features)).T,
+            "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
+            "conv_bias": conv_bias,
+            "dt_bias": tensors.take(f"{mixer}.dt_bias", (heads,)),
+            "A_log": tensors.take(f"{mixer}.A_log", (heads,)),
+            "D": tensors.take(f"{mixer}.D", (heads,)),
+            "norm_scale": tensors.take(f"{mixer}.norm.weight", (inner,)),
+            "out_proj": tensors.take(f"{mixer}.out_proj.weight", (features, inner)).T,
+        },
+    }
+  return {**tree, **embedding_and_head(tensors, model)}
