@@ -5,6 +5,7 @@ The fixtures in tests/fixtures/pretrained were made by `transformers` itself
 float32 logits and greedy continuations. The suite never imports torch.
 """
 
+import functools
 import json
 import pathlib
 import shutil
@@ -144,3 +145,66 @@ def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
   with pytest.raises(ssmkit.pretrained.CheckpointError,
                      match=r"'no-such-owner/no-such-model' (is not a directory here|could not be)"):
     ssmkit.pretrained.load("no-such-owner/no-such-model")
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
+  model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
+  ssmkit.pretrained.save(model, variables, tmp_path / "linen")
+  twin, _, _ = ssmkit.pretrained.load(FIXTURES / name, nnx=True)
+  ssmkit.pretrained.save(twin, None, tmp_path / "nnx")
+  for folder in ("linen", "nnx"):
+    _, again, written = ssmkit.pretrained.load(tmp_path / folder)
+    jax.tree.map(np.testing.assert_array_equal, again, variables)
+    assert all(written[key] == config[key] for key in written if key in config and key != "dtype")
+  # Blocks under nn.scan are saved one by one.
+  scanned = model.clone(scan_blocks=True)
+  stacked = jax.tree.map(lambda *blocks: np.stack(blocks), *(variables["params"][f"block_{i}"]
+                                                             for i in range(model.num_blocks)))
+  params = {k: v for k, v in variables["params"].items() if not k.startswith("block_")}
+  ssmkit.pretrained.save(scanned, {"params": {**params, "blocks": {"block": stacked}}},
+                         tmp_path / "scanned")
+  jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "scanned")[1],
+               variables)
+
+
+def test_save_names_what_no_architecture_expresses(tmp_path):
+  model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba2")
+  cases = [
+      (model.clone(mlp="swiglu"), variables,
+       r"`model.mlp`='swiglu': a Mamba2ForCausalLM has mlp='none'"),
+      (model.clone(layer=layers.LRU), variables, r"its layer LRU has no published architecture"),
+      (model.clone(layer=(model.layer, model.layer)), variables, r"a layer pattern has no"),
+      (model, jax.tree.map(lambda v: v + 1, variables), r"the decoder's bias is not zero"),
+      (model.clone(layer=functools.partial(model.layer, norm_per_group=False)), variables,
+       r"n_groups > 1 must normalise per group"),
+  ]
+  for bad, values, message in cases:
+    with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+      ssmkit.pretrained.save(bad, values, tmp_path / "out")
+
+
+def _transformers():
+  try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+@pytest.mark.skipif(not _transformers(), reason="needs torch and transformers, which the test "
+                    "extra does not install (scripts/make_pretrained_fixtures.py says how)")
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_transformers_loads_what_save_writes(name, tmp_path):
+  import torch
+  import transformers
+
+  model, variables, _ = ssmkit.pretrained.load(FIXTURES / name)
+  ssmkit.pretrained.save(model, variables, tmp_path)
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  assert type(loaded).__name__ == ARCHITECTURES[name]
+  expected = _expected(name)
+  with torch.no_grad():
+    logits = loaded(torch.as_tensor(expected["input_ids"], dtype=torch.long)).logits.numpy()
+  assert _relative_error(logits, expected["logits"]) < 1e-4

@@ -2,5 +2,6 @@
 
 from ssmkit._src.pretrained.files import CheckpointError
 from ssmkit._src.pretrained.load import ARCHITECTURES, load
+from ssmkit._src.pretrained.save import save
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "load"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "load", "save"]

@@ -45,9 +45,8 @@ def options(fields: Fields) -> dict[str, Any]:
 
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
-  features, layer = model.features, model.layer
-  inner, n, k = layer.keywords["expand"] * features, layer.keywords["d_state"], layer.keywords["d_conv"]
-  rank = layer.keywords["dt_rank"]
+  features, layer = model.features, model.layer()
+  inner, n, k, rank = layer.expand * features, layer.d_state, layer.d_conv, layer.dt_rank
   tree: dict[str, Any] = {}
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
@@ -87,3 +86,33 @@ def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
   elif tensors.has("lm_head.weight"):
     tensors.take("lm_head.weight", (vocab, features))
   return tree
+
+
+def config_of(model: Any) -> dict[str, Any]:
+  """The `config.json` fields of a Mamba `SequenceModel` (checked by `save`)."""
+  layer = model.layer()
+  return {"model_type": "mamba", "hidden_size": model.features, "state_size": layer.d_state,
+          "num_hidden_layers": model.num_blocks, "expand": layer.expand,
+          "intermediate_size": layer.expand * model.features, "conv_kernel": layer.d_conv,
+          "time_step_rank": layer.dt_rank or math.ceil(model.features / 16),
+          "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
+          "residual_in_fp32": True}
+
+
+def tensors_of(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+  """The checkpoint's block tensors from ssmkit's parameters of each block."""
+  tensors = {}
+  for i, block in enumerate(blocks):
+    prefix, mixer = f"backbone.layers.{i}", block["mixer"]
+    names = {"in_proj": mixer["in_proj"].T, "x_proj": mixer["x_proj"].T,
+             "dt_proj": mixer["dt_proj"].T, "out_proj": mixer["out_proj"].T}
+    tensors.update({f"{prefix}.mixer.{name}.weight": value for name, value in names.items()})
+    tensors.update({
+        f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
+        f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
+        f"{prefix}.mixer.conv1d.bias": mixer["conv_bias"],
+        f"{prefix}.mixer.dt_proj.bias": mixer["dt_bias"],
+        f"{prefix}.mixer.A_log": mixer["A_log"],
+        f"{prefix}.mixer.D": mixer["D"],
+    })
+  return tensors

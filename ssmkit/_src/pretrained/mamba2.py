@@ -52,10 +52,9 @@ def options(fields: Fields) -> dict[str, Any]:
 
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
-  features, options = model.features, model.layer.keywords
-  inner = options["expand"] * features
-  heads, bc = inner // options["head_dim"], 2 * options["n_groups"] * options["d_state"]
-  k = options["d_conv"]
+  features, layer = model.features, model.layer()
+  inner = layer.expand * features
+  heads, bc, k = inner // layer.head_dim, 2 * layer.n_groups * layer.d_state, layer.d_conv
   tree: dict[str, Any] = {}
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
@@ -77,3 +76,43 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
         },
     }
   return {**tree, **embedding_and_head(tensors, model)}
+
+
+def config_of(model: Any) -> dict[str, Any]:
+  """The `config.json` fields of a Mamba-2 `SequenceModel` (checked by `save`).
+
+  Raises:
+    CheckpointError: when its gated norm is over the whole width with several groups, which
+      `transformers` does not compute.
+  """
+  layer = model.layer()
+  if layer.n_groups > 1 and not layer.norm_per_group:
+    raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "
+                          "(norm_per_group=True) to be a transformers Mamba2ForCausalLM.")
+  inner = layer.expand * model.features
+  low, high = layer.dt_limit
+  return {"model_type": "mamba2", "hidden_size": model.features, "state_size": layer.d_state,
+          "num_hidden_layers": model.num_blocks, "expand": layer.expand,
+          "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
+          "n_groups": layer.n_groups, "conv_kernel": layer.d_conv, "time_step_limit": [low, high],
+          "use_bias": False, "use_conv_bias": True,
+          "hidden_act": "silu", "residual_in_fp32": True}
+
+
+def tensors_of(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+  """The checkpoint's block tensors from ssmkit's parameters of each block."""
+  tensors = {}
+  for i, block in enumerate(blocks):
+    prefix, mixer = f"backbone.layers.{i}", block["mixer"]
+    tensors.update({
+        f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
+        f"{prefix}.mixer.in_proj.weight": mixer["in_proj"].T,
+        f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
+        f"{prefix}.mixer.conv1d.bias": mixer["conv_bias"],
+        f"{prefix}.mixer.dt_bias": mixer["dt_bias"],
+        f"{prefix}.mixer.A_log": mixer["A_log"],
+        f"{prefix}.mixer.D": mixer["D"],
+        f"{prefix}.mixer.norm.weight": mixer["norm_scale"],
+        f"{prefix}.mixer.out_proj.weight": mixer["out_proj"].T,
+    })
+  return tensors
