@@ -3,7 +3,9 @@
 For each architecture that `ssmkit.pretrained` loads, a tiny random model built by
 `transformers` from a small config, saved with `save_pretrained` (config.json and
 model.safetensors), beside `expected.npz`: input ids, the model's float32 logits for them and
-its greedy continuation of 20 tokens (`generate` re-running the whole sequence for each
+its greedy continuation of 20 tokens, and a word-level `tokenizer.json` of the vocabulary
+("<pad>", "<s>", "<|endoftext|>", then "t3" ... "t95", one word per token), so that text
+goes in and out as with a published checkpoint (`generate` re-running the whole sequence for each
 token: the full forward pass defines the model, and `transformers`' cached Mamba-2 step skips
 `time_step_limit`). The parameters are the
 library's initialisation plus Gaussian noise of standard deviation `NOISE`, so that no weight is
@@ -24,6 +26,7 @@ import json
 import pathlib
 
 import numpy as np
+import tokenizers
 import torch
 import transformers
 
@@ -53,6 +56,15 @@ def _noisy(model: torch.nn.Module, seed: int) -> None:
       parameter.add_(NOISE * torch.randn(parameter.shape, generator=generator))
 
 
+def _tokenizer() -> tokenizers.Tokenizer:
+  words = ["<pad>", "<s>", "<|endoftext|>", *(f"t{i}" for i in range(3, VOCAB))]
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {word: i for i, word in enumerate(words)}, unk_token="<pad>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")
+  return tokenizer
+
+
 def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> None:
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -60,6 +72,7 @@ def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> Non
   folder = ROOT / name
   folder.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(folder, safe_serialization=True)
+  _tokenizer().save(str(folder / "tokenizer.json"))
   rng = np.random.default_rng(seed)
   ids = rng.integers(3, VOCAB, (BATCH, LENGTH))
   with torch.no_grad():

@@ -5,7 +5,7 @@
     ssmkit bench all [--shapes small|full] [--repeats N] [--markdown] [--budget-s S] [--output FILE]
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
-    ssmkit generate --workdir DIR [--prompt TEXT] [--max-tokens N] [--temperature T] ...
+    ssmkit generate (--workdir DIR | --pretrained DIR_OR_ID) [--prompt TEXT] [--max-tokens N] ...
     ssmkit configs
     ssmkit --version
 
@@ -167,18 +167,26 @@ def _run_eval(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
   import jax
 
-  from ssmkit import train
-
+  sampling = dict(rng=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p)
   try:
+    if args.pretrained is not None:
+      from ssmkit import pretrained
+
+      model, variables, _ = pretrained.load(args.pretrained)
+      print(pretrained.complete(model, variables, pretrained.tokenizer(args.pretrained), args.prompt,
+                                args.max_tokens, **sampling))
+      return 0
+    from ssmkit import train
+
     kind = train.core.workdir_task(args.workdir).name
     if kind != "lm":
       raise train.ConfigError(f"{args.workdir} holds a `task: {kind}` run; `ssmkit generate` "
                               "continues text with the model of a `task: lm` run.")
     model, variables, config = train.load(args.workdir, args.step)
     text = train.lm.complete(model, variables, args.prompt, args.max_tokens,
-                             tokenizer=train.lm.tokenizer(config), rng=jax.random.key(args.seed),
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-  except (FileNotFoundError, train.ConfigError, ValueError) as error:
+                             tokenizer=train.lm.tokenizer(config), **sampling)
+  except (FileNotFoundError, ValueError) as error:  # ConfigError and CheckpointError included
     print(f"ssmkit generate: error: {error}", file=sys.stderr)
     return 2
   print(args.prompt + text)
@@ -186,8 +194,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--workdir", type=pathlib.Path, required=True,
-                      help="the workdir of a `task: lm` run")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--workdir", type=pathlib.Path, help="the workdir of a `task: lm` run")
+  source.add_argument("--pretrained", metavar="DIR_OR_ID",
+                      help="a Hugging Face checkpoint: a directory, or a hub id (needs the hub "
+                           "extra and a network); its tokenizer.json turns text into tokens")
   parser.add_argument("--prompt", default="", help="the start of the text; default: none")
   parser.add_argument("--max-tokens", type=_positive_int, default=256,
                       help="at most this many tokens (bytes for a byte-level run) are written; "
@@ -198,7 +209,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--top-p", type=float, default=None, help="sample within this nucleus mass")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sampling; default: 0")
   parser.add_argument("--step", type=int, default=None,
-                      help="the checkpoint's step; default: the latest")
+                      help="the checkpoint's step (with --workdir); default: the latest")
   parser.set_defaults(run=_run_generate)
 
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import ssmkit.nnx as snx
 import ssmkit.pretrained
-from ssmkit import layers
+from ssmkit import cli, layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
@@ -208,3 +208,25 @@ def test_transformers_loads_what_save_writes(name, tmp_path):
   with torch.no_grad():
     logits = loaded(torch.as_tensor(expected["input_ids"], dtype=torch.long)).logits.numpy()
   assert _relative_error(logits, expected["logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_generate_continues_text_as_transformers_does(name, capsys):
+  """`ssmkit generate --pretrained`: the fixture's ids as text, continued greedily, decode to
+  the ids `transformers` generated."""
+  expected = _expected(name)
+  coder = ssmkit.pretrained.tokenizer(FIXTURES / name)
+  prompt = coder.decode(expected["input_ids"][0])
+  assert cli.main(["generate", "--pretrained", str(FIXTURES / name), "--prompt", prompt,
+                   "--max-tokens", "20", "--temperature", "0"]) == 0
+  whole = np.concatenate([expected["input_ids"][0], expected["generated"][0]])
+  assert capsys.readouterr().out.rstrip("\n") == coder.decode(whole)
+
+
+def test_a_checkpoint_without_a_tokenizer_is_named_by_generate(tmp_path, capsys):
+  folder = _copy(tmp_path)
+  (folder / "tokenizer.json").unlink()
+  assert cli.main(["generate", "--pretrained", str(folder), "--prompt", "t5"]) == 2
+  assert "tokenizer.json does not exist" in capsys.readouterr().err
+  assert cli.main(["generate", "--pretrained", str(FIXTURES / "mamba"), "--prompt", " "]) == 2
+  assert "`prompt` ' ' encodes to no token" in capsys.readouterr().err
