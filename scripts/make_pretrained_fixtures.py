@@ -46,6 +46,14 @@ CONFIGS = {
         n_groups=2, conv_kernel=4, chunk_size=8, time_step_limit=(0.01, 0.5), use_bias=False,
         use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Two RG-LRU blocks then local attention (one key-value head); the window is longer than
+    # the 33 steps of the generation, as transformers' full forward pass does not apply it.
+    "recurrent_gemma": transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=96, lru_width=32, attention_window_size=64,
+        conv1d_width=4, logits_soft_cap=30.0, rms_norm_eps=1e-6,
+        block_types=["recurrent", "recurrent", "attention"], tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 

@@ -22,7 +22,10 @@ import ssmkit.pretrained
 from ssmkit import cli, layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
-ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
+                 "recurrent_gemma": "RecurrentGemmaForCausalLM"}
+# The architectures `save` writes.
+SAVED = ["mamba", "mamba2"]
 
 
 def _expected(name):
@@ -100,7 +103,7 @@ def _edit_weights(folder, edit):
     [
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
          r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads "
-         r"\(Mamba2ForCausalLM, MambaForCausalLM\)"),
+         r"\(Mamba2ForCausalLM, MambaForCausalLM, RecurrentGemmaForCausalLM\)"),
         (lambda f: _edit_config(f, use_bias=True), r"`use_bias`=True is not supported"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
         (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),
@@ -138,6 +141,23 @@ def test_a_mamba2_config_that_does_not_fit_is_named(changes, message, tmp_path):
     ssmkit.pretrained.load(folder)
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"attention_bias": True}, r"`attention_bias`=True is not supported"),
+        ({"hidden_activation": "relu"}, r"`hidden_activation`='relu' is not supported"),
+        ({"block_types": ["recurrent", "mlp"]}, r"`block_types` \['mlp'\] are not RecurrentGemma"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}},
+         r"`rope_parameters.rope_type`='linear' is not supported"),
+    ],
+)
+def test_a_recurrent_gemma_config_that_does_not_fit_is_named(changes, message, tmp_path):
+  folder = _copy(tmp_path, "recurrent_gemma")
+  _edit_config(folder, **changes)
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+    ssmkit.pretrained.load(folder)
+
+
 def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"neither a checkpoint directory nor"):
     ssmkit.pretrained.load(tmp_path / "nothing" / "here" / "at_all")
@@ -147,7 +167,7 @@ def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
     ssmkit.pretrained.load("no-such-owner/no-such-model")
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", SAVED)
 def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
   model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
   ssmkit.pretrained.save(model, variables, tmp_path / "linen")
@@ -174,7 +194,8 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
       (model.clone(mlp="swiglu"), variables,
        r"`model.mlp`='swiglu': a Mamba2ForCausalLM has mlp='none'"),
       (model.clone(layer=layers.LRU), variables, r"its layer LRU has no published architecture"),
-      (model.clone(layer=(model.layer, model.layer)), variables, r"a layer pattern has no"),
+      (model.clone(layer=(model.layer, model.layer)), variables,
+       r"a layer pattern, RecurrentGemma's included, it does not write"),
       (model, jax.tree.map(lambda v: v + 1, variables), r"the decoder's bias is not zero"),
       (model.clone(layer=functools.partial(model.layer, norm_per_group=False)), variables,
        r"n_groups > 1 must normalise per group"),
@@ -195,7 +216,7 @@ def _transformers():
 
 @pytest.mark.skipif(not _transformers(), reason="needs torch and transformers, which the test "
                     "extra does not install (scripts/make_pretrained_fixtures.py says how)")
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", SAVED)
 def test_transformers_loads_what_save_writes(name, tmp_path):
   import torch
   import transformers

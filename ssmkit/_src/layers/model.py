@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +15,13 @@ import numpy as np
 from ssmkit._src.layers import common
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import (
-    MLPS,
-    MixerBlock,
-    ModuleDef,
-    Norm,
-    SSMBlock,
-    check_choice,
-    check_mask,
+  MLPS,
+  MixerBlock,
+  ModuleDef,
+  Norm,
+  SSMBlock,
+  check_choice,
+  check_mask,
 )
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.modes import Mode
@@ -43,6 +44,15 @@ BLOCK_OPTIONS = {
 def block_options(model: Any) -> dict[str, Any]:
   """The options of the blocks of a `SequenceModel` of either front end."""
   return {name: getattr(model, name) for name in BLOCK_OPTIONS[model.block]}
+
+
+def scale_embeddings(model: Any, x: Array) -> Array:
+  """Token embeddings `x` of a `SequenceModel` of either front end times its `scale_embeddings`
+  (sqrt(`features`) for True; unchanged for False)."""
+  scale = model.scale_embeddings
+  if scale is False:
+    return x
+  return x * jnp.asarray(math.sqrt(model.features) if scale is True else scale, x.dtype)
 
 
 def layer_pattern(layer: Any) -> tuple[Callable[..., Any], ...]:
@@ -77,6 +87,9 @@ def check_model(model: Any) -> None:
   if model.tie_embeddings and (model.vocab_size is None or model.num_outputs != model.vocab_size):
     raise ValueError("`tie_embeddings` needs token inputs with `num_outputs` equal to `vocab_size`, "
                      f"got vocab_size={model.vocab_size!r}, num_outputs={model.num_outputs!r}.")
+  scale = model.scale_embeddings
+  if not isinstance(scale, bool) and not (isinstance(scale, int | float) and scale > 0):
+    raise ValueError(f"`scale_embeddings` must be True, False or a number > 0, got {scale!r}.")
   if model.scale_embeddings and model.vocab_size is None:
     raise ValueError("`scale_embeddings` scales token embeddings: it needs `vocab_size`.")
   if model.logit_cap is not None and not model.logit_cap > 0:
@@ -172,7 +185,8 @@ class SequenceModel(nn.Module):
       a multiple of the pattern's length, one of length 1 over the blocks left ("tail").
     tie_embeddings: decode with the transposed token embedding (needs `vocab_size` equal to
       `num_outputs`); no separate decoder.
-    scale_embeddings: multiply token embeddings by sqrt(`features`) (Gemma, RecurrentGemma).
+    scale_embeddings: multiply token embeddings by sqrt(`features`) (True: Gemma), or by this
+      number (RecurrentGemma's checkpoints use sqrt(`features`) rounded to bfloat16).
     logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
     dtype: the computation dtype of the model's activations, embeddings, norms and
       projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
@@ -199,7 +213,7 @@ class SequenceModel(nn.Module):
   prenorm: bool = True
   scan_blocks: bool = False
   tie_embeddings: bool = False
-  scale_embeddings: bool = False
+  scale_embeddings: bool | float = False
   logit_cap: float | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
@@ -256,8 +270,7 @@ class SequenceModel(nn.Module):
     else:
       encoder = nn.Embed(self.vocab_size, self.features, name="encoder", **precision)
     x = encoder(x)
-    if self.scale_embeddings:
-      x = x * jnp.sqrt(self.features).astype(x.dtype)
+    x = scale_embeddings(self, x)
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
                                 return_state=return_state, mode=mode, train=train)
     if self.prenorm:

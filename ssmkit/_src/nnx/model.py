@@ -11,17 +11,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ssmkit._src.layers.model import (
-    block_options,
-    cap_logits,
-    check_inputs,
-    check_model,
-    check_step_inputs,
-    generation_arguments,
-    layer_pattern,
-    pattern_state,
-    pool,
-    sample,
-    scanned_counts,
+  block_options,
+  cap_logits,
+  check_inputs,
+  check_model,
+  check_step_inputs,
+  generation_arguments,
+  layer_pattern,
+  pattern_state,
+  pool,
+  sample,
+  scale_embeddings,
+  scanned_counts,
 )
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.block import MixerBlock, SSMBlock, make_norm, normalize
@@ -70,7 +71,7 @@ class SequenceModel(nnx.Module):
                norm_eps: float | None = None, activation: str = "glu", mlp: str = "none",
                mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
                prenorm: bool = True, scan_blocks: bool = False, tie_embeddings: bool = False,
-               scale_embeddings: bool = False, logit_cap: float | None = None, dtype: Any = None,
+               scale_embeddings: bool | float = False, logit_cap: float | None = None, dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
@@ -96,7 +97,7 @@ class SequenceModel(nnx.Module):
         so compile time does not grow with depth (see `ssmkit.layers.SequenceModel`).
       tie_embeddings: decode with the transposed token embedding (`vocab_size` equal to
         `num_outputs`).
-      scale_embeddings: multiply token embeddings by sqrt(`features`).
+      scale_embeddings: multiply token embeddings by sqrt(`features`) (True) or by this number.
       logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
       dtype: the computation dtype of the activations, embeddings, norms and projections
         (e.g. `jnp.bfloat16`); None: that of the inputs and parameters.
@@ -184,9 +185,7 @@ class SequenceModel(nnx.Module):
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
                single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
-    x = self.encoder(x)
-    if self.scale_embeddings:
-      x = x * jnp.sqrt(self.features).astype(x.dtype)
+    x = scale_embeddings(self, self.encoder(x))
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
                                 return_state=return_state, mode=mode)
     if self.final_norm is not None:

@@ -79,8 +79,8 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
 def _architecture(model: SequenceModel) -> Any:
   """The architecture module of `model`, checked to express it exactly."""
   if not callable(model.layer):
-    raise CheckpointError("`model`: a layer pattern has no published architecture here; save a "
-                          "model of one layer kind (Mamba or Mamba2).")
+    raise CheckpointError("`model`: save writes models of one layer kind (Mamba, Mamba2); a layer "
+                          "pattern, RecurrentGemma's included, it does not write.")
   kind = type(model.layer())
   if kind not in BY_LAYER:
     raise CheckpointError(f"`model`: its layer {kind.__name__} has no published architecture "

@@ -1,0 +1,133 @@
+"""`RecurrentGemmaForCausalLM` checkpoints (google/recurrentgemma-2b, 9b) as a `SequenceModel`.
+
+Griffin: the config's `block_types` (RG-LRU "recurrent" blocks and local "attention") cycled
+over the layers, each a pre-norm mixer block with a GeGLU MLP (biases, each branch
+`intermediate_size / 2` wide), then a final RMSNorm, the embedding's transpose as the head and
+a soft cap of the logits. Gemma's norms scale by 1 + weight: ssmkit's RMSNorm scales are the
+stored weights plus one. The embeddings are scaled by sqrt(hidden) rounded to bfloat16, as
+`transformers` keeps the constant. The attention blocks have an output bias and no
+query/key/value biases: ssmkit's `use_bias` gives all four, the other three zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit._src.layers.attention import Attention
+from ssmkit._src.layers.rglru import RGLRU
+from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.files import CheckpointError, Tensors
+
+ARCHITECTURE = "RecurrentGemmaForCausalLM"
+
+
+def options(fields: Fields) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of a RecurrentGemma `config.json`.
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit cannot compute exactly.
+  """
+  fields.require("hidden_activation", "gelu_pytorch_tanh")
+  fields.require("attention_bias", False)
+  features, heads = fields.int("hidden_size"), fields.int("num_attention_heads")
+  rope = fields.get("rope_parameters", {})
+  if rope.get("rope_type", "default") != "default":
+    raise CheckpointError(f"{fields.source}: `rope_parameters.rope_type`={rope['rope_type']!r} is "
+                          "not supported: ssmkit's rotary embedding is the default one.")
+  kinds = fields.get("block_types", ["recurrent", "recurrent", "attention"])
+  unknown = sorted(set(kinds) - {"recurrent", "attention"})
+  if unknown:
+    raise CheckpointError(f"{fields.source}: `block_types` {unknown} are not RecurrentGemma blocks.")
+  head_dim = fields.int("head_dim", features // heads)
+  rglru = functools.partial(RGLRU, d_state=fields.int("lru_width", features), num_heads=heads,
+                            d_conv=fields.int("conv1d_width", 4))
+  attention = functools.partial(
+      Attention, num_heads=heads, num_kv_heads=fields.int("num_key_value_heads", heads),
+      head_dim=head_dim, rope_base=float(rope.get("rope_theta", 10_000.0)),
+      rope_fraction=float(rope.get("partial_rotary_factor", 0.5)),
+      window=fields.int("attention_window_size", 2048),
+      cache_size=fields.int("attention_window_size", 2048), use_bias=True)
+  layers = {"recurrent": rglru, "attention": attention}
+  vocab, blocks = fields.int("vocab_size"), fields.int("num_hidden_layers")
+  pattern = tuple(layers[kind] for kind in kinds)[:blocks]
+  mlp_width = fields.int("intermediate_size") // 2
+  return dict(num_outputs=vocab, vocab_size=vocab, features=features, num_blocks=blocks,
+              layer=pattern, pooling="none", block="mixer", norm="rms",
+              norm_eps=fields.float("rms_norm_eps", 1e-6), mlp="geglu",
+              mlp_expansion=mlp_width / features, mlp_bias=True,
+              tie_embeddings=fields.get("tie_word_embeddings", True),
+              scale_embeddings=float(jnp.asarray(features**0.5, jnp.bfloat16)),
+              logit_cap=fields.float("logits_soft_cap", 30.0))
+
+
+def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+  features, vocab = model.features, model.vocab_size
+  gemma_norm = lambda name: {"RMSNorm_0": {"scale": 1 + tensors.take(name, (features,))}}
+  mlp_width = round(model.mlp_expansion * features)
+  tree: dict[str, Any] = {
+      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
+      "final_norm": gemma_norm("model.final_norm.weight"),
+  }
+  for i in range(model.num_blocks):
+    prefix = f"model.layers.{i}"
+    mixer = f"{prefix}.temporal_block"
+    dense = lambda name, out, into, where: {"kernel": tensors.take(f"{where}.{name}.weight",
+                                                                   (out, into)).T,
+                                            "bias": tensors.take(f"{where}.{name}.bias", (out,))}
+    mlp = f"{prefix}.mlp_block"
+    layer = model.layer[i % len(model.layer)]()
+    block = {
+        "norm": gemma_norm(f"{prefix}.temporal_pre_norm.weight"),
+        "mlp_norm": gemma_norm(f"{prefix}.channel_pre_norm.weight"),
+        "mlp_gate": dense("gate_proj", mlp_width, features, mlp),
+        "mlp_up": dense("up_proj", mlp_width, features, mlp),
+        "mlp_down": dense("down_proj", features, mlp_width, mlp),
+    }
+    block["mixer"] = (_rglru(tensors, mixer, layer, features) if isinstance(layer, RGLRU)
+                      else _attention(tensors, mixer, layer, features))
+    tree[f"block_{i}"] = block
+  if not model.tie_embeddings:
+    tree["decoder"] = {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
+                       "bias": np.zeros(vocab, np.float32)}
+  elif tensors.has("lm_head.weight"):
+    tensors.take("lm_head.weight", (vocab, features))
+  return tree
+
+
+def _rglru(tensors: Tensors, mixer: str, layer: RGLRU, features: int) -> dict[str, Any]:
+  width, heads = layer.d_state or features, layer.num_heads
+  block = width // heads
+  take = lambda name, shape: tensors.take(f"{mixer}.{name}", shape)
+  return {
+      "y_proj": take("linear_y.weight", (width, features)).T, "y_bias": take("linear_y.bias", (width,)),
+      "x_proj": take("linear_x.weight", (width, features)).T, "x_bias": take("linear_x.bias", (width,)),
+      "conv_kernel": take("conv_1d.weight", (width, 1, layer.d_conv))[:, 0, :].T,
+      "conv_bias": take("conv_1d.bias", (width,)),
+      "input_gate": take("rg_lru.input_gate_weight", (heads, block, block)),
+      "input_gate_bias": take("rg_lru.input_gate_bias", (heads, block)),
+      "a_gate": take("rg_lru.recurrent_gate_weight", (heads, block, block)),
+      "a_gate_bias": take("rg_lru.recurrent_gate_bias", (heads, block)),
+      "a_param": take("rg_lru.recurrent_param", (width,)),
+      "out_proj": take("linear_out.weight", (features, width)).T,
+      "out_bias": take("linear_out.bias", (features,)),
+  }
+
+
+def _attention(tensors: Tensors, mixer: str, layer: Attention, features: int) -> dict[str, Any]:
+  heads, kv, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+  take = lambda name, shape: tensors.take(f"{mixer}.{name}", shape)
+  return {
+      "q_proj": take("q_proj.weight", (heads * head_dim, features)).T,
+      "q_bias": np.zeros(heads * head_dim, np.float32),
+      "k_proj": take("k_proj.weight", (kv * head_dim, features)).T,
+      "k_bias": np.zeros(kv * head_dim, np.float32),
+      "v_proj": take("v_proj.weight", (kv * head_dim, features)).T,
+      "v_bias": np.zeros(kv * head_dim, np.float32),
+      "o_proj": take("o_proj.weight", (features, heads * head_dim)).T,
+      "o_bias": take("o_proj.bias", (features,)),
+  }
