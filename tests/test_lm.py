@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import ssmkit.pretrained
 import tokenizer_files
 from ssmkit import cli, data, train
 from ssmkit._src.train.lm import train as lm_train
@@ -228,3 +229,37 @@ def test_a_run_with_a_tokenizer_file_reports_bits_per_byte_of_text(tmp_path, cap
   assert printed == "def x" + written
   with pytest.raises(ValueError, match=r"`tokenizer` has 257 tokens, but the model reads 300"):
     train.lm.complete(model, variables, "def x", 4)
+
+
+PRETRAINED = pathlib.Path(__file__).parent / "fixtures" / "pretrained" / "mamba"
+
+
+def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
+  """`model.pretrained`: the checkpoint's model and weights at step 0, its tokenizer.json for
+  the text, then training, evaluation and `generate` as for any run."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(4)
+  for i in range(30):
+    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, 40)))
+    (corpus / f"doc{i}.txt").write_text(words, encoding="utf-8")
+  overrides = [f"model.pretrained={PRETRAINED}", f"data.path={corpus}", *TINY]
+  config = train.load_config("lm_mamba", overrides)
+  with jax.enable_x64(False):
+    run = train.supervised.setup(config, lm_train.TASK)
+    _, variables, _ = ssmkit.pretrained.load(PRETRAINED)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.state.params), variables["params"])
+    assert run.layer_kinds == ("mamba",) and run.dataset.vocab_size == 96
+    workdir = tmp_path / "run"
+    assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
+  out = capsys.readouterr().out
+  assert "mamba model with" in out and _last_line(out).startswith("test_bits_per_byte=")
+  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", "t5 t9", "--max-tokens", "4",
+                   "--temperature", "0"]) == 0
+  assert capsys.readouterr().out.startswith("t5 t9")
+  assert cli.main(["train", "lm_mamba", "--workdir", str(tmp_path / "bad"), *overrides,
+                   "data.tokenizer=tokenizer.json"]) == 2
+  assert "`data.tokenizer` must be null with `model.pretrained`" in capsys.readouterr().err
+  assert cli.main(["train", "lm_mamba", "--workdir", str(tmp_path / "bad"), *overrides,
+                   f"model.pretrained={tmp_path / 'nothing'}"]) == 2
+  assert "`model.pretrained`: " in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -56,4 +56,19 @@ LAYERS: dict[str, Entry] = {
     )),
 }
 
-__all__ = ["ACTIVATIONS", "BLOCKS", "LAYERS", "MLPS", "NORMS", "POOLINGS", "Entry"]
+
+
+def registry_name(factory: Any) -> str:
+  """The `LAYERS` name of the layer a factory makes (a class, or a `functools.partial` of one).
+
+  Raises:
+    ValueError: naming `layer` when the layer is not registered.
+  """
+  kind = type(factory())
+  for name, entry in LAYERS.items():
+    if entry.layer is kind:
+      return name
+  raise ValueError(f"`layer`: {kind.__name__} is not a registered layer ({', '.join(LAYERS)}).")
+
+
+__all__ = ["ACTIVATIONS", "BLOCKS", "LAYERS", "MLPS", "NORMS", "POOLINGS", "Entry", "registry_name"]

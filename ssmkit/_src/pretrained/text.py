@@ -15,16 +15,26 @@ from ssmkit._src.pretrained.load import checkpoint_directory
 TOKENIZER = "tokenizer.json"
 
 
-def tokenizer(path_or_repo_id: str | pathlib.Path) -> HFTokenizer:
-  """The `tokenizer.json` of a checkpoint (a directory or a hub id, as `load` takes them).
+def tokenizer_file(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
+  """The path of a checkpoint's `tokenizer.json` (a directory or a hub id, as `load` takes them).
 
   Raises:
-    CheckpointError: naming the file when the checkpoint has none or it cannot be read.
+    CheckpointError: naming the file when the checkpoint has none.
   """
   path = checkpoint_directory(path_or_repo_id) / TOKENIZER
   if not path.is_file():
     raise CheckpointError(f"{path} does not exist: the checkpoint has no tokenizer.json to turn "
                           "text into its tokens.")
+  return path
+
+
+def tokenizer(path_or_repo_id: str | pathlib.Path) -> HFTokenizer:
+  """The `tokenizer.json` of a checkpoint, read (`tokenizer_file`).
+
+  Raises:
+    CheckpointError: naming the file when the checkpoint has none or it cannot be read.
+  """
+  path = tokenizer_file(path_or_repo_id)
   try:
     return HFTokenizer(path)
   except ValueError as error:

@@ -256,8 +256,8 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
       num_outputs=num_outputs,
       layer=pattern if isinstance(config.layer, list | tuple) else pattern[0],
       vocab_size=vocab_size,
-      dtype=None if config.dtype is None else _float_dtype(config.dtype, "model.dtype"),
-      param_dtype=_float_dtype(config.param_dtype, "model.param_dtype"),
+      dtype=None if config.dtype is None else float_dtype(config.dtype, "model.dtype"),
+      param_dtype=float_dtype(config.param_dtype, "model.param_dtype"),
       **{name: getattr(config, name) for name in _MODEL_OPTIONS},
   )
   try:
@@ -268,7 +268,7 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
   return model
 
 
-def _float_dtype(name: str, key: str) -> np.dtype:
+def float_dtype(name: str, key: str) -> np.dtype:
   """The floating dtype called `name`; a ConfigError naming `key` for anything else."""
   try:
     dtype = jnp.dtype(name)

@@ -38,6 +38,11 @@ class LMModelConfig(ModelConfig):
 
   # One prediction per step, of the next token: the only pooling of a language model.
   pooling: str = "none"
+  # A Hugging Face checkpoint to fine-tune (a directory, or a hub id with the hub extra):
+  # its architecture and weights replace this section's layer, width, depth, block, norm, MLP
+  # and head options and the initialisation, and its tokenizer.json tokenises the text
+  # (`data.tokenizer` stays null); dropout_rate, dtype, param_dtype and mode still apply.
+  pretrained: str | None = None
 
 
 @dataclasses.dataclass
@@ -72,6 +77,9 @@ def validate(config: LMConfig) -> LMConfig:
     ConfigError: naming the first field with a value outside its choices or range, or a layer
       keyword argument the layer does not have or of another type.
   """
+  if config.model.pretrained is not None and config.data.tokenizer is not None:
+    raise ConfigError("`data.tokenizer` must be null with `model.pretrained`: the checkpoint's "
+                      "tokenizer.json tokenises the text.")
   if not 0 < config.data.validation_fraction < 1:
     raise ConfigError(f"`data.validation_fraction` must lie strictly between 0 and 1, got "
                       f"{config.data.validation_fraction}.")

@@ -21,9 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssmkit import data, layers
+from ssmkit import data, layers, pretrained
+from ssmkit._src.layers.model import layer_pattern
+from ssmkit._src.layers.registry import registry_name
+from ssmkit._src.pretrained.text import tokenizer_file
 from ssmkit._src.train.core.errors import ConfigError
-from ssmkit._src.train.core.model import TrainState, variables
+from ssmkit._src.train.core.model import (
+    TrainState,
+    build_model,
+    float_dtype,
+    layer_names,
+    variables,
+)
 from ssmkit._src.train.lm.config import LMConfig, validate
 from ssmkit._src.train.supervised import train as supervised
 
@@ -36,20 +45,64 @@ def dataset(config: LMConfig) -> data.TextDataset:
       `data.tokenizer` or `data.eod_token`.
   """
   section = config.data
+  path = _tokenizer_path(config)
   with _data_errors("cannot make the text data"):
     return data.text(path=section.path, seq_len=section.seq_len,
-                     validation_fraction=section.validation_fraction, tokenizer=section.tokenizer,
+                     validation_fraction=section.validation_fraction, tokenizer=path,
                      eod_token=section.eod_token)
 
 
 def tokenizer(config: LMConfig) -> data.Tokenizer:
-  """The tokenizer of a run's `config.data`: `ssmkit.data.load_tokenizer` of its keys.
+  """The tokenizer of a run: `data.tokenizer`'s (bytes when null), or the `tokenizer.json` of
+  `model.pretrained`.
 
   Raises:
-    ConfigError: naming `data.tokenizer` or `data.eod_token`.
+    ConfigError: naming `data.tokenizer`, `data.eod_token` or `model.pretrained`.
   """
+  path = _tokenizer_path(config)
   with _data_errors("cannot read the tokenizer"):
-    return data.load_tokenizer(config.data.tokenizer, config.data.eod_token)
+    return data.load_tokenizer(path, config.data.eod_token)
+
+
+def _tokenizer_path(config: LMConfig) -> str | None:
+  """`data.tokenizer`, or the tokenizer.json of `model.pretrained`."""
+  if config.model.pretrained is None:
+    return config.data.tokenizer
+  with _checkpoint_errors():
+    return str(tokenizer_file(config.model.pretrained))
+
+
+def model(config: LMConfig, dataset: data.TextDataset) -> supervised.Built:
+  """The model of a run: `model.pretrained`'s checkpoint with its weights, or the `model`
+  section's (`supervised.Task.model`).
+
+  Raises:
+    ConfigError: naming `model.pretrained` when the checkpoint cannot be loaded or its
+      vocabulary is smaller than its tokenizer's.
+  """
+  section = config.model
+  if section.pretrained is None:
+    built = build_model(section, dataset.num_classes, dataset.vocab_size)
+    return built, layer_names(section), None
+  with _checkpoint_errors():
+    network, variables, _ = pretrained.load(section.pretrained)
+  if network.vocab_size < dataset.vocab_size:
+    raise ConfigError(f"`model.pretrained`: the checkpoint reads {network.vocab_size} tokens, fewer "
+                      f"than its tokenizer's {dataset.vocab_size}.")
+  network = network.clone(dropout_rate=section.dropout_rate, param_dtype=float_dtype(
+      section.param_dtype, "model.param_dtype"), dtype=None if section.dtype is None else
+      float_dtype(section.dtype, "model.dtype"))
+  kinds = tuple(registry_name(make) for make in layer_pattern(network.layer))
+  return network, kinds, variables["params"]
+
+
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+  """Turns a `CheckpointError` into a `ConfigError` naming `model.pretrained`."""
+  try:
+    yield
+  except pretrained.CheckpointError as error:
+    raise ConfigError(f"`model.pretrained`: {error}") from None
 
 
 @contextlib.contextmanager
@@ -114,7 +167,7 @@ def _until_the_end(tokens: np.ndarray, coder: data.Tokenizer) -> str:
 
 # Language-model runs, as the supervised trainer takes them.
 TASK = supervised.Task(schema=LMConfig, validate=validate, dataset=dataset, results=results,
-                       samples=samples)
+                       samples=samples, model=model)
 
 
 def train_and_evaluate(config: LMConfig, workdir: str | pathlib.Path, *,

@@ -22,7 +22,7 @@ Batch = dict[str, Array]
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, example: Batch, key: Array,
-                       mode: str) -> TrainState:
+                       mode: str, params: Any = None) -> TrainState:
   """Initialises `model` on `example`'s shapes and wraps it with the optimizer.
 
   Args:
@@ -31,6 +31,8 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
     example: a batch with "x" and optionally "mask" (only shapes and dtypes matter).
     key: PRNG key of the parameter initialisation.
     mode: scan mode of the SSM layers, bound into the state's `apply_fn`.
+    params: parameters to start from (a published checkpoint's) instead of the initial ones;
+      they must have the initial ones' structure and shapes.
 
   Returns:
     The state at step 0.
@@ -38,7 +40,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
   variables = jax.jit(lambda k: model.init(k, example["x"], example.get("mask"), mode=mode))(key)
   state = TrainState.create(
       apply_fn=functools.partial(model.apply, mode=mode),
-      params=variables["params"],
+      params=variables["params"] if params is None else jax.tree.map(jnp.asarray, params),
       tx=tx,
       batch_stats=variables.get("batch_stats", {}),
   )

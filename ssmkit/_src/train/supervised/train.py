@@ -53,8 +53,10 @@ class Setup(NamedTuple):
     model: the model.
     order: the order of the train batches, at its start.
     total_steps: the run's number of steps.
-    state: the initial train state, replicated over `mesh`.
+    state: the initial train state, parameters and optimizer state sharded over `mesh`.
+    shardings: the sharding of each part of `state`.
     dropout_key: the run's dropout key, replicated over `mesh`.
+    layer_kinds: the registry names of the model's layers, in pattern order.
   """
 
   dataset: data.SequenceDataset
@@ -65,6 +67,11 @@ class Setup(NamedTuple):
   state: TrainState
   shardings: TrainState
   dropout_key: jax.Array
+  layer_kinds: tuple[str, ...]
+
+
+# A model, the registry names of its layers in pattern order, and its parameters (None: initialise).
+Built = tuple[layers.SequenceModel, tuple[str, ...], Any]
 
 
 class Task(NamedTuple):
@@ -79,6 +86,9 @@ class Task(NamedTuple):
       "accuracy" over its scored targets, the headline last.
     samples: lines that show the model at work, printed after each evaluation during
       training (a language model's continuations of held-out text); None for none.
+    model: the model of a checked config and its dataset: `(model, layer names, parameters)`,
+      the parameters to start from or None to initialise them; None: the model of the
+      config's `model` section (`build_model`), initialised.
   """
 
   schema: type
@@ -86,6 +96,7 @@ class Task(NamedTuple):
   dataset: Callable[[Any], data.SequenceDataset]
   results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
   samples: Callable[[Setup, TrainState], list[str]] | None = None
+  model: Callable[[Any, data.SequenceDataset], Built] | None = None
 
 
 def _load_dataset(config: DataConfig) -> data.SequenceDataset:
@@ -137,16 +148,20 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   task.validate(config)
   dataset = task.dataset(config)
   mesh = parallel.make_mesh(config.mesh, config.data.batch_size, "data.batch_size")
-  model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
+  if task.model is None:
+    model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
+    names, params = layer_names(config.model), None
+  else:
+    model, names, params = task.model(config, dataset)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
-  tx = make_optimizer(config.optimizer, layer_names(config.model), length)
+  tx = make_optimizer(config.optimizer, names, length)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
-  state = create_train_state(model, tx, example, params_key, config.model.mode)
+  state = create_train_state(model, tx, example, params_key, config.model.mode, params=params)
   shardings = parallel.state_shardings(mesh, state)
   return Setup(dataset, mesh, model, order, length, parallel.place(state, shardings), shardings,
-               parallel.place(dropout_key, parallel.replicated(mesh)))
+               parallel.place(dropout_key, parallel.replicated(mesh)), names)
 
 
 class _TestSplit(NamedTuple):
@@ -226,7 +241,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
       run.order.restore(progress["data"])
     num_params = count_parameters(state.params)
     header = (
-        f"{'/'.join(layer_names(config.model))} model with {num_params:,} parameters, "
+        f"{'/'.join(run.layer_kinds)} model with {num_params:,} parameters, "
         f"{run.total_steps} steps of "
         f"{batch_size} sequences ({run.total_steps / run.order.steps_per_epoch:.1f} epochs) on "
         f"{run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
