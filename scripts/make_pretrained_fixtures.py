@@ -41,6 +41,12 @@ CONFIGS = {
         conv_kernel=4, time_step_rank=4, use_bias=False, use_conv_bias=True,
         layer_norm_epsilon=1e-5, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # The other Mamba options: projection biases, no convolution bias, an untied head.
+    "mamba_bias": transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+        conv_kernel=3, time_step_rank=2, use_bias=True, use_conv_bias=False,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
     "mamba2": transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8,
         n_groups=2, conv_kernel=4, chunk_size=8, time_step_limit=(0.01, 0.5), use_bias=False,

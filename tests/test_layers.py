@@ -551,21 +551,24 @@ def _mamba_reference(params, x, reset, d_conv):
   for t in range(x.shape[0]):
     if reset[t]:
       window, h = np.zeros_like(window), np.zeros_like(h)
-    v, z = np.split(x[t] @ p["in_proj"], 2)
+    v, z = np.split(x[t] @ p["in_proj"] + p.get("in_proj_bias", 0), 2)
     window = np.concatenate([window[1:], v[None]])
     u = silu(np.sum(window * p["conv_kernel"], axis=0) + p["conv_bias"])
     dbc = u @ p["x_proj"]
     dt = softplus(dbc[:rank] @ p["dt_proj"] + p["dt_bias"])
     b, c = dbc[rank : rank + n], dbc[rank + n :]
     h = np.exp(dt[:, None] * a) * h + (dt * u)[:, None] * b[None, :]
-    ys.append(((h @ c + p["D"] * u) * silu(z)) @ p["out_proj"])
+    ys.append(((h @ c + p["D"] * u) * silu(z)) @ p["out_proj"] + p.get("out_proj_bias", 0))
   return np.stack(ys)
 
 
-def test_mamba_matches_float64_loop():
-  layer = layers.Mamba(d_state=5, d_conv=4)
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_mamba_matches_float64_loop(use_bias):
+  layer = layers.Mamba(d_state=5, d_conv=4, use_bias=use_bias)
   x, reset = _x((23, 6)), np.asarray(_resets((23,)))
   params = compiled.init(layer, x.shape, 11)
+  if use_bias:  # biases that are not zero, so that the test sees them
+    params = {"params": {**params["params"], "in_proj_bias": _x((24,)), "out_proj_bias": _x((6,))}}
   expected = _mamba_reference(params, x, reset, 4)
   _assert_close(compiled.run(layer)(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)

@@ -22,10 +22,12 @@ import ssmkit.pretrained
 from ssmkit import cli, layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
-ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
-                 "recurrent_gemma": "RecurrentGemmaForCausalLM"}
+# Each fixture's architecture: "mamba_bias" is a Mamba with projection biases, no convolution
+# bias and an untied head.
+ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
+                 "mamba2": "Mamba2ForCausalLM", "recurrent_gemma": "RecurrentGemmaForCausalLM"}
 # The architectures `save` writes.
-SAVED = ["mamba", "mamba2"]
+SAVED = ["mamba", "mamba_bias", "mamba2"]
 
 
 def _expected(name):
@@ -104,7 +106,7 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
          r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads "
          r"\(Mamba2ForCausalLM, MambaForCausalLM, RecurrentGemmaForCausalLM\)"),
-        (lambda f: _edit_config(f, use_bias=True), r"`use_bias`=True is not supported"),
+        (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
         (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),
         (lambda f: _edit_weights(f, lambda t: t.pop("backbone.layers.1.mixer.D")),
@@ -234,13 +236,15 @@ def test_transformers_loads_what_save_writes(name, tmp_path):
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_generate_continues_text_as_transformers_does(name, capsys):
   """`ssmkit generate --pretrained`: the fixture's ids as text, continued greedily, decode to
-  the ids `transformers` generated."""
+  the ids `transformers` generated, up to the end-of-text token (2), where the command stops."""
   expected = _expected(name)
   coder = ssmkit.pretrained.tokenizer(FIXTURES / name)
   prompt = coder.decode(expected["input_ids"][0])
   assert cli.main(["generate", "--pretrained", str(FIXTURES / name), "--prompt", prompt,
                    "--max-tokens", "20", "--temperature", "0"]) == 0
-  whole = np.concatenate([expected["input_ids"][0], expected["generated"][0]])
+  generated = expected["generated"][0]
+  ends = np.flatnonzero(generated == coder.eod)
+  whole = np.concatenate([expected["input_ids"][0], generated[:ends[0] if ends.size else None]])
   assert capsys.readouterr().out.rstrip("\n") == coder.decode(whole)
 
 

@@ -37,7 +37,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   Returns:
     in_proj `(H, 2 D)` for D = expand * H; conv_kernel `(d_conv, D)`; conv_bias `(D,)`;
     x_proj `(D, R + 2 N)` for the step rank R; dt_proj `(R, D)`; dt_bias `(D,)`; A_log
-    `(D, N)`; D `(D,)`; out_proj `(D, H)`.
+    `(D, N)`; D `(D,)`; out_proj `(D, H)`; with `use_bias`, in_proj_bias `(2 D,)` and
+    out_proj_bias `(H,)`.
   """
   for name in ("d_state", "d_conv", "expand"):
     common.check_positive_int(getattr(cfg, name), name)
@@ -56,6 +57,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
       "A_log": common.ParamSpec((inner, n), _a_log_init),
       "D": common.ParamSpec((inner,), nn.initializers.ones),
       "out_proj": common.ParamSpec((inner, features), uniform(inner**-0.5)),
+      **({"in_proj_bias": common.ParamSpec((2 * inner,), nn.initializers.zeros),
+          "out_proj_bias": common.ParamSpec((features,), nn.initializers.zeros)}
+         if cfg.use_bias else {}),
   }
 
 
@@ -65,7 +69,11 @@ def _project(params: dict[str, Array], x: Array) -> tuple[Array, Array]:
   inner = params["D"].shape[0]
   w_in = params["in_proj"]
   dtype = common.computation_dtype(x.dtype)
-  return common.project(x, w_in[:, :inner], dtype), common.project(x, w_in[:, inner:], dtype)
+  v, z = common.project(x, w_in[:, :inner], dtype), common.project(x, w_in[:, inner:], dtype)
+  if "in_proj_bias" in params:
+    bias = common.leading_ones(params["in_proj_bias"], v.ndim)
+    v, z = v + bias[..., :inner], z + bias[..., inner:]
+  return v, z
 
 
 def _selective(cfg: Any, params: dict[str, Array], u: Array, dtype: Any
@@ -81,7 +89,8 @@ def _selective(cfg: Any, params: dict[str, Array], u: Array, dtype: Any
 
 def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array, dtype: Any) -> Array:
   y = y + u * common.leading_ones(params["D"], u.ndim)
-  return common.project(y * jax.nn.silu(z), params["out_proj"], dtype)
+  y = common.project(y * jax.nn.silu(z), params["out_proj"], dtype)
+  return y + common.leading_ones(params["out_proj_bias"], y.ndim) if "out_proj_bias" in params else y
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
@@ -153,6 +162,8 @@ class Mamba(functional.LinenLayer):
     dt_rank: rank of the step projection; default ceil(H / 16).
     dt_min: smallest initial step.
     dt_max: largest initial step.
+    use_bias: biases on the in- and out-projections (zero at first), as `transformers`'
+      `use_bias` (published Mamba checkpoints have none).
     param_dtype: dtype of the parameters.
 
   References:
@@ -166,8 +177,10 @@ class Mamba(functional.LinenLayer):
   dt_rank: int | None = None
   dt_min: float = 1e-3
   dt_max: float = 1e-1
+  use_bias: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
   # As in the Mamba code: A, D and the biases at the base learning rate without weight decay.
-  parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "D", "conv_bias"}))
+  parameter_groups = common.ParameterGroups(no_decay=frozenset(
+      {"A_log", "dt_bias", "D", "conv_bias", "in_proj_bias", "out_proj_bias"}))
   maths = functional.Maths(param_specs, sequence, step, initialize_state)

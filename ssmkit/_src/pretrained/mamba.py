@@ -28,12 +28,12 @@ def options(fields: Fields) -> dict[str, Any]:
     CheckpointError: naming a field whose value ssmkit's Mamba cannot compute exactly.
   """
   fields.require("hidden_act", "silu")
-  fields.require("use_bias", False)
   features, expand = fields.int("hidden_size"), fields.int("expand", 2)
   fields.require("intermediate_size", expand * features)
   rank = fields.get("time_step_rank", "auto")
   layer = functools.partial(Mamba, d_state=fields.int("state_size", 16),
                             d_conv=fields.int("conv_kernel", 4), expand=expand,
+                            use_bias=bool(fields.get("use_bias", False)),
                             dt_rank=math.ceil(features / 16) if rank == "auto" else fields.int(
                                 "time_step_rank"))
   vocab = fields.int("vocab_size")
@@ -68,6 +68,10 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
             "out_proj": linear("out_proj", features, inner),
         },
     }
+    if layer.use_bias:
+      tree[f"block_{i}"]["mixer"].update(
+          in_proj_bias=tensors.take(f"{mixer}.in_proj.bias", (2 * inner,)),
+          out_proj_bias=tensors.take(f"{mixer}.out_proj.bias", (features,)))
   return {**tree, **embedding_and_head(tensors, model)}
 
 
@@ -88,14 +92,21 @@ def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
   return tree
 
 
-def config_of(model: Any) -> dict[str, Any]:
-  """The `config.json` fields of a Mamba `SequenceModel` (checked by `save`)."""
+def config_of(model: Any, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """The `config.json` fields of a Mamba `SequenceModel` (checked by `save`) whose block
+  tensors are `tensors` (`tensors_of`): convolution biases that are all zero are left out, as a
+  checkpoint without them (`use_conv_bias: false`) has them."""
   layer = model.layer()
+  conv_biases = [name for name in tensors if name.endswith("conv1d.bias")]
+  use_conv_bias = any(np.any(tensors[name]) for name in conv_biases)
+  if not use_conv_bias:
+    for name in conv_biases:
+      del tensors[name]
   return {"model_type": "mamba", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "intermediate_size": layer.expand * model.features, "conv_kernel": layer.d_conv,
           "time_step_rank": layer.dt_rank or math.ceil(model.features / 16),
-          "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
+          "use_bias": layer.use_bias, "use_conv_bias": use_conv_bias, "hidden_act": "silu",
           "residual_in_fp32": True}
 
 
@@ -115,4 +126,7 @@ def tensors_of(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         f"{prefix}.mixer.A_log": mixer["A_log"],
         f"{prefix}.mixer.D": mixer["D"],
     })
+    if "in_proj_bias" in mixer:
+      tensors[f"{prefix}.mixer.in_proj.bias"] = mixer["in_proj_bias"]
+      tensors[f"{prefix}.mixer.out_proj.bias"] = mixer["out_proj_bias"]
   return tensors

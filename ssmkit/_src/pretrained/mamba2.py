@@ -78,13 +78,15 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   return {**tree, **embedding_and_head(tensors, model)}
 
 
-def config_of(model: Any) -> dict[str, Any]:
-  """The `config.json` fields of a Mamba-2 `SequenceModel` (checked by `save`).
+def config_of(model: Any, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """The `config.json` fields of a Mamba-2 `SequenceModel` (checked by `save`); `tensors`, its
+  block tensors (`tensors_of`), are written as they are.
 
   Raises:
     CheckpointError: when its gated norm is over the whole width with several groups, which
       `transformers` does not compute.
   """
+  del tensors
   layer = model.layer()
   if layer.n_groups > 1 and not layer.norm_per_group:
     raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "

@@ -54,15 +54,16 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
     blocks = [jax.tree.map(lambda v, i=i: v[i], stacked) for i in range(model.num_blocks)]
   else:
     blocks = [params[f"block_{i}"] for i in range(model.num_blocks)]
-  tensors = {**architecture.tensors_of(blocks),
-             "backbone.embeddings.weight": params["encoder"]["embedding"],
-             "backbone.norm_f.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
+  tensors = architecture.tensors_of(blocks)
+  fields = architecture.config_of(model, tensors)
+  tensors.update({"backbone.embeddings.weight": params["encoder"]["embedding"],
+                  "backbone.norm_f.weight": params["final_norm"]["RMSNorm_0"]["scale"]})
   if not model.tie_embeddings:
     if np.any(params["decoder"]["bias"]):
       raise CheckpointError("`variables`: the decoder's bias is not zero, and transformers' "
                             "lm_head has none.")
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
-  config = {"architectures": [architecture.ARCHITECTURE], **architecture.config_of(model),
+  config = {"architectures": [architecture.ARCHITECTURE], **fields,
             "vocab_size": model.vocab_size,
             "layer_norm_epsilon": FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps,
             "tie_word_embeddings": model.tie_embeddings, "dtype": "float32"}
