@@ -152,12 +152,15 @@ def test_mamba2_rejects_heads_that_do_not_fit():
     layers.Mamba2(head_dim=8, n_groups=3).init(jax.random.key(0), x)
 
 
-def _gated_deltanet_reference(p, x, reset, *, num_heads):
-  """fla's GatedDeltaNet.forward with the recurrent kernel (fused_recurrent), one step at a time."""
+def _gated_deltanet_reference(p, x, reset, *, num_heads, num_v_heads=None, eps=1e-5):
+  """fla's GatedDeltaNet.forward with the recurrent kernel (fused_recurrent), one step at a time;
+  with `num_v_heads`, q and k repeated over the value heads as fla's einops
+  `repeat('... h d -> ... (h g) d')` does."""
+  v_heads = num_v_heads or num_heads
   head_k = p["q_proj"].shape[1] // num_heads
-  head_v = p["v_proj"].shape[1] // num_heads
+  head_v = p["v_proj"].shape[1] // v_heads
   convs = [_Conv(p[name]) for name in ("q_conv", "k_conv", "v_conv")]
-  state = np.zeros((num_heads, head_k, head_v))
+  state = np.zeros((v_heads, head_k, head_v))
   l2norm = lambda v: v / np.sqrt(np.sum(v**2, axis=-1, keepdims=True) + 1e-6)
   ys = []
   for t in range(x.shape[0]):
@@ -167,17 +170,18 @@ def _gated_deltanet_reference(p, x, reset, *, num_heads):
                for conv, name in zip(convs, ("q_proj", "k_proj", "v_proj"), strict=True))
     q = l2norm(q.reshape(num_heads, head_k)) * head_k**-0.5
     k = l2norm(k.reshape(num_heads, head_k))
-    v = v.reshape(num_heads, head_v)
+    q, k = (np.stack([m[h // (v_heads // num_heads)] for h in range(v_heads)]) for m in (q, k))
+    v = v.reshape(v_heads, head_v)
     beta = _sigmoid(x[t] @ p["b_proj"])
     g = -np.exp(p["A_log"]) * _softplus(x[t] @ p["a_proj"] + p["dt_bias"])
-    gate = (x[t] @ p["g_proj"]).reshape(num_heads, head_v)
-    o = np.zeros((num_heads, head_v))
-    for h in range(num_heads):
+    gate = (x[t] @ p["g_proj"]).reshape(v_heads, head_v)
+    o = np.zeros((v_heads, head_v))
+    for h in range(v_heads):
       state[h] = state[h] * np.exp(g[h])
       v_new = (v[h] - k[h] @ state[h]) * beta[h]
       state[h] = state[h] + np.outer(k[h], v_new)
       o[h] = q[h] @ state[h]
-    o = _rms_norm(o, 1e-5) * p["norm_scale"] * _silu(gate)
+    o = _rms_norm(o, eps) * p["norm_scale"] * _silu(gate)
     ys.append(o.reshape(-1) @ p["o_proj"])
   return np.stack(ys)
 
@@ -188,6 +192,26 @@ def test_gated_deltanet_matches_the_reference_layer():
   params = compiled.init(layer, x.shape, 13)
   expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset, num_heads=2)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+
+
+def test_gated_deltanet_groups_value_heads_over_shared_keys():
+  """`num_v_heads`: 6 value heads over 2 query/key heads, another norm epsilon; the sequence
+  and each step equal fla's forward pass."""
+  layer = layers.GatedDeltaNet(num_heads=2, num_v_heads=6, d_state=3, d_conv=4, norm_eps=0.2)
+  x, reset = _x((29, 6)), _resets(29)
+  params = compiled.init(layer, x.shape, 13)
+  assert params["params"]["q_proj"].shape == (6, 6) and params["params"]["v_proj"].shape == (6, 36)
+  expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset,
+                                       num_heads=2, num_v_heads=6, eps=0.2)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  state, stepped = layer.initialize_state(x.shape[1:]), []
+  step = compiled.run(layer, method="step")
+  for t in range(x.shape[0]):
+    state, y = step(params, state, x[t], reset[t])
+    stepped.append(y)
+  _assert_close(np.stack(stepped), expected)
+  with pytest.raises(ValueError, match=r"`num_v_heads`=3 must be a multiple of `num_heads`=2"):
+    layers.GatedDeltaNet(num_heads=2, num_v_heads=3).init(jax.random.key(0), x)
 
 
 def test_gated_deltanet_initialisation_follows_the_reference():

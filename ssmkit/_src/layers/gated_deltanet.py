@@ -14,7 +14,7 @@ from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
-from ssmkit._src.layers.norms import rms_norm
+from ssmkit._src.layers.norms import EPS, rms_norm
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.modes import Mode
@@ -31,6 +31,11 @@ def _sizes(cfg: Any, features: int) -> tuple[int, int]:
   return k, cfg.expand_v * k
 
 
+def _value_heads(cfg: Any) -> int:
+  """The heads of v, of the state and of the output: `num_v_heads`, or `num_heads`."""
+  return cfg.num_heads if cfg.num_v_heads is None else cfg.num_v_heads
+
+
 def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   """The parameters of a Gated DeltaNet layer over `features` channels, initialised as the reference."""
   for name in ("num_heads", "expand_v", "d_conv"):
@@ -41,34 +46,42 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
                        "`d_state` is None.")
   else:
     common.check_positive_int(cfg.d_state, "d_state")
+  if cfg.num_v_heads is not None:
+    common.check_positive_int(cfg.num_v_heads, "num_v_heads")
+    if cfg.num_v_heads % cfg.num_heads:
+      raise ValueError(f"`num_v_heads`={cfg.num_v_heads} must be a multiple of `num_heads`="
+                       f"{cfg.num_heads}.")
+  if not cfg.norm_eps > 0:
+    raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
   k, v = _sizes(cfg, features)
-  heads = cfg.num_heads
+  heads, v_heads = cfg.num_heads, _value_heads(cfg)
   linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), uniform(fan_in**-0.5))
   conv = lambda width: ParamSpec((cfg.d_conv, width), uniform(cfg.d_conv**-0.5))
   return {
       "q_proj": linear(features, heads * k),
       "k_proj": linear(features, heads * k),
-      "v_proj": linear(features, heads * v),
-      "a_proj": linear(features, heads),
-      "b_proj": linear(features, heads),
-      "g_proj": linear(features, heads * v),
+      "v_proj": linear(features, v_heads * v),
+      "a_proj": linear(features, v_heads),
+      "b_proj": linear(features, v_heads),
+      "g_proj": linear(features, v_heads * v),
       "q_conv": conv(heads * k),
       "k_conv": conv(heads * k),
-      "v_conv": conv(heads * v),
-      "A_log": ParamSpec((heads,), a_log_init(0.0, 16.0)),
-      "dt_bias": ParamSpec((heads,), dt_bias_init(1e-3, 1e-1)),
+      "v_conv": conv(v_heads * v),
+      "A_log": ParamSpec((v_heads,), a_log_init(0.0, 16.0)),
+      "dt_bias": ParamSpec((v_heads,), dt_bias_init(1e-3, 1e-1)),
       "norm_scale": ParamSpec((v,), nn.initializers.ones),
-      "o_proj": linear(heads * v, features),
+      "o_proj": linear(v_heads * v, features),
   }
 
 
 def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
-  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and `(*batch, heads, K, V)`."""
+  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and
+  `(*batch, value heads, K, V)`."""
   *batch, features = input_shape
   k, v = _sizes(cfg, features)
-  heads = cfg.num_heads
-  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, heads * (2 * k + v)),
-                            jnp.zeros((*batch, heads, k, v), jnp.float32))
+  heads, v_heads = cfg.num_heads, _value_heads(cfg)
+  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, 2 * heads * k + v_heads * v),
+                            jnp.zeros((*batch, v_heads, k, v), jnp.float32))
 
 
 def _unit(x: Array) -> Array:
@@ -81,7 +94,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   k_dim, v_dim = _sizes(cfg, features)
-  heads = cfg.num_heads
+  heads, v_heads = cfg.num_heads, _value_heads(cfg)
   xf = x.astype(accumulation_dtype(x.dtype))
   dtype = common.computation_dtype(x.dtype)
   # q, k and v each have their own convolution: one convolution over the three side by side.
@@ -90,18 +103,22 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   kernel = jnp.concatenate([params[name] for name in ("q_conv", "k_conv", "v_conv")], axis=-1)
   qkv, window = causal_conv(qkv, kernel, None, state.conv, reset)
   q, k, v = jnp.split(jax.nn.silu(qkv), [heads * k_dim, 2 * heads * k_dim], axis=-1)
-  by_head = lambda m: m.reshape(*m.shape[:-1], heads, m.shape[-1] // heads)
-  q, k, v = by_head(q), by_head(k), by_head(v)
+  by_head = lambda m, count: m.reshape(*m.shape[:-1], count, m.shape[-1] // count)
+  # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
+  # once and then repeated.
+  shared = lambda m: jnp.repeat(m, v_heads // heads, axis=-2)
+  q = shared(_unit(by_head(q, heads)) * k_dim**-0.5)
+  k = shared(_unit(by_head(k, heads)))
   beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
   step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
   g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
-  o, s = delta_rule(_unit(q) * k_dim**-0.5, _unit(k), v, beta, g, initial_state=state.recurrent,
+  o, s = delta_rule(q, k, by_head(v, v_heads), beta, g, initial_state=state.recurrent,
                     reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
                     check_log_decay=False)
   # The output gate after a per-head RMSNorm.
-  o = rms_norm(o, params["norm_scale"]) * jax.nn.silu(by_head(common.project(x, params["g_proj"],
-                                                                             dtype)))
-  y = common.project(o.reshape(*o.shape[:-2], heads * v_dim), params["o_proj"], dtype)
+  gate = by_head(common.project(x, params["g_proj"], dtype), v_heads)
+  o = rms_norm(o, params["norm_scale"], cfg.norm_eps) * jax.nn.silu(gate)
+  y = common.project(o.reshape(*o.shape[:-2], v_heads * v_dim), params["o_proj"], dtype)
   return y.astype(x.dtype), ConvRecurrentState(window, s)
 
 
@@ -126,13 +143,17 @@ class GatedDeltaNet(functional.LinenLayer):
   chunkwise on CPU, "chunked" and "parallel" run the chunkwise algorithm). Each head's
   output is RMS-normalised, scaled, gated by SiLU(W_g x_t) and the heads are projected back
   to H. `reset` clears the matrix state and the convolution windows; the state is a
-  `ConvRecurrentState` whose `recurrent` part is `(*batch, num_heads, K, V)`.
+  `ConvRecurrentState` whose `recurrent` part is `(*batch, value heads, K, V)`.
 
   Attributes:
     num_heads: number of heads.
     d_state: key channels K per head (the state is K x V per head); None: H / num_heads,
       so q and k have H channels and v 2H, as the reference allocates them without a gate.
     expand_v: V = expand_v * K.
+    num_v_heads: heads of v, of the state and of the output, a multiple of `num_heads` (as
+      Qwen3-Next and flash-linear-attention's `num_v_heads`): each group of
+      num_v_heads / num_heads of them reads one query and key head; None: `num_heads`.
+    norm_eps: the epsilon of the output's per-head RMSNorm (Qwen3-Next: 1e-6).
     d_conv: width of the causal convolutions.
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
     param_dtype: dtype of the parameters.
@@ -146,6 +167,8 @@ class GatedDeltaNet(functional.LinenLayer):
   num_heads: int = 2
   d_state: int | None = None
   expand_v: int = 2
+  num_v_heads: int | None = None
+  norm_eps: float = EPS
   d_conv: int = 4
   chunk_size: int | None = None
   param_dtype: jnp.dtype = jnp.float32
