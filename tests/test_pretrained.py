@@ -26,8 +26,6 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
 # bias and an untied head.
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "mamba2": "Mamba2ForCausalLM", "recurrent_gemma": "RecurrentGemmaForCausalLM"}
-# The architectures `save` writes.
-SAVED = ["mamba", "mamba_bias", "mamba2"]
 
 
 def _expected(name):
@@ -169,7 +167,23 @@ def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
     ssmkit.pretrained.load("no-such-owner/no-such-model")
 
 
-@pytest.mark.parametrize("name", SAVED)
+def _scanned(model, variables):
+  """`model` with its blocks under `nn.scan`, and its parameters restacked to that layout."""
+  params = {k: v for k, v in variables["params"].items() if not k.startswith("block_")}
+  block = lambda i: variables["params"][f"block_{i}"]
+  stack = lambda indices: jax.tree.map(lambda *leaves: np.stack(leaves), *map(block, indices))
+  if callable(model.layer):
+    params["blocks"] = {"block": stack(range(model.num_blocks))}
+  else:
+    size = len(model.layer)
+    repeats, rest = divmod(model.num_blocks, size)
+    params["blocks"] = {f"block_{j}": stack(range(j, repeats * size, size)) for j in range(size)}
+    if rest:
+      params["tail"] = {f"block_{j}": stack([repeats * size + j]) for j in range(rest)}
+  return model.clone(scan_blocks=True), {"params": params}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
   model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
   ssmkit.pretrained.save(model, variables, tmp_path / "linen")
@@ -180,12 +194,7 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, again, variables)
     assert all(written[key] == config[key] for key in written if key in config and key != "dtype")
   # Blocks under nn.scan are saved one by one.
-  scanned = model.clone(scan_blocks=True)
-  stacked = jax.tree.map(lambda *blocks: np.stack(blocks), *(variables["params"][f"block_{i}"]
-                                                             for i in range(model.num_blocks)))
-  params = {k: v for k, v in variables["params"].items() if not k.startswith("block_")}
-  ssmkit.pretrained.save(scanned, {"params": {**params, "blocks": {"block": stacked}}},
-                         tmp_path / "scanned")
+  ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned")
   jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "scanned")[1],
                variables)
 
@@ -195,12 +204,18 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
   cases = [
       (model.clone(mlp="swiglu"), variables,
        r"`model.mlp`='swiglu': a Mamba2ForCausalLM has mlp='none'"),
-      (model.clone(layer=layers.LRU), variables, r"its layer LRU has no published architecture"),
+      (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture"),
       (model.clone(layer=(model.layer, model.layer)), variables,
-       r"a layer pattern, RecurrentGemma's included, it does not write"),
+       r"its layers \(Mamba2\) make no architecture"),
       (model, jax.tree.map(lambda v: v + 1, variables), r"the decoder's bias is not zero"),
       (model.clone(layer=functools.partial(model.layer, norm_per_group=False)), variables,
        r"n_groups > 1 must normalise per group"),
+  ]
+  griffin, weights, _ = ssmkit.pretrained.load(FIXTURES / "recurrent_gemma")
+  cases += [
+      (griffin.clone(scale_embeddings=True), weights,
+       r"needs model.scale_embeddings to be sqrt\(features\) rounded to bfloat16, 5.65625"),
+      (griffin.clone(mlp="swiglu"), weights, r"`model.mlp`='swiglu': a RecurrentGemmaForCausalLM"),
   ]
   for bad, values, message in cases:
     with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
@@ -218,7 +233,7 @@ def _transformers():
 
 @pytest.mark.skipif(not _transformers(), reason="needs torch and transformers, which the test "
                     "extra does not install (scripts/make_pretrained_fixtures.py says how)")
-@pytest.mark.parametrize("name", SAVED)
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_transformers_loads_what_save_writes(name, tmp_path):
   import torch
   import transformers

@@ -16,9 +16,15 @@ import numpy as np
 
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.pretrained.config import Fields
-from ssmkit._src.pretrained.files import Tensors
+from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
 ARCHITECTURE = "MambaForCausalLM"
+# The layers of its models, and the model options it has (`save` checks them).
+LAYERS = (Mamba,)
+REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "pooling": "none",
+            "scale_embeddings": False, "logit_cap": None}
+# flax's RMSNorm epsilon, which a model with `norm_eps` None uses.
+FLAX_RMS_EPS = 1e-6
 
 
 def options(fields: Fields) -> dict[str, Any]:
@@ -92,25 +98,49 @@ def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
   return tree
 
 
-def config_of(model: Any, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-  """The `config.json` fields of a Mamba `SequenceModel` (checked by `save`) whose block
-  tensors are `tensors` (`tensors_of`): convolution biases that are all zero are left out, as a
-  checkpoint without them (`use_conv_bias: false`) has them."""
-  layer = model.layer()
+def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """`(config.json fields, tensors)` of a Mamba model: its blocks' parameters `blocks` and the
+  rest of `params`. Convolution biases that are all zero are left out, as a checkpoint without
+  them (`use_conv_bias: false`) has them."""
+  tensors = {**_block_tensors(blocks), **head_tensors(model, params)}
   conv_biases = [name for name in tensors if name.endswith("conv1d.bias")]
   use_conv_bias = any(np.any(tensors[name]) for name in conv_biases)
   if not use_conv_bias:
     for name in conv_biases:
       del tensors[name]
+  layer = model.layer()
   return {"model_type": "mamba", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "intermediate_size": layer.expand * model.features, "conv_kernel": layer.d_conv,
           "time_step_rank": layer.dt_rank or math.ceil(model.features / 16),
           "use_bias": layer.use_bias, "use_conv_bias": use_conv_bias, "hidden_act": "silu",
-          "residual_in_fp32": True}
+          "residual_in_fp32": True, **head_fields(model)}, tensors
 
 
-def tensors_of(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+def head_fields(model: Any) -> dict[str, Any]:
+  """The config.json fields of a Mamba or Mamba-2 model's norms and head."""
+  return {"layer_norm_epsilon": FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps,
+          "tie_word_embeddings": model.tie_embeddings}
+
+
+def head_tensors(model: Any, params: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The embedding, final norm and head tensors of a Mamba or Mamba-2 model.
+
+  Raises:
+    CheckpointError: when the untied decoder's bias is not zero: `lm_head` has none.
+  """
+  tensors = {"backbone.embeddings.weight": params["encoder"]["embedding"],
+             "backbone.norm_f.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
+  if not model.tie_embeddings:
+    if np.any(params["decoder"]["bias"]):
+      raise CheckpointError("`variables`: the decoder's bias is not zero, and transformers' "
+                            "lm_head has none.")
+    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  return tensors
+
+
+def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
   """The checkpoint's block tensors from ssmkit's parameters of each block."""
   tensors = {}
   for i, block in enumerate(blocks):

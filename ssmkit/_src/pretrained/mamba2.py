@@ -15,11 +15,15 @@ from typing import Any
 import numpy as np
 
 from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.pretrained import mamba
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 from ssmkit._src.pretrained.mamba import embedding_and_head
 
 ARCHITECTURE = "Mamba2ForCausalLM"
+# The layers of its models, and the model options it has (`save` checks them).
+LAYERS = (Mamba2,)
+REQUIRED = mamba.REQUIRED
 
 
 def options(fields: Fields) -> dict[str, Any]:
@@ -78,15 +82,15 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   return {**tree, **embedding_and_head(tensors, model)}
 
 
-def config_of(model: Any, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-  """The `config.json` fields of a Mamba-2 `SequenceModel` (checked by `save`); `tensors`, its
-  block tensors (`tensors_of`), are written as they are.
+def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """`(config.json fields, tensors)` of a Mamba-2 model: its blocks' parameters `blocks` and the
+  rest of `params`.
 
   Raises:
     CheckpointError: when its gated norm is over the whole width with several groups, which
       `transformers` does not compute.
   """
-  del tensors
   layer = model.layer()
   if layer.n_groups > 1 and not layer.norm_per_group:
     raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "
@@ -97,11 +101,12 @@ def config_of(model: Any, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
           "n_groups": layer.n_groups, "conv_kernel": layer.d_conv, "time_step_limit": [low, high],
-          "use_bias": False, "use_conv_bias": True,
-          "hidden_act": "silu", "residual_in_fp32": True}
+          "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
+          "residual_in_fp32": True, **mamba.head_fields(model)}, {
+              **_block_tensors(blocks), **mamba.head_tensors(model, params)}
 
 
-def tensors_of(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
   """The checkpoint's block tensors from ssmkit's parameters of each block."""
   tensors = {}
   for i, block in enumerate(blocks):

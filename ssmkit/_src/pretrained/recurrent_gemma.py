@@ -23,6 +23,16 @@ from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
 ARCHITECTURE = "RecurrentGemmaForCausalLM"
+# The layers of its models, and the model options it has (`save` checks them).
+LAYERS = (RGLRU, Attention)
+REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "geglu", "mlp_bias": True, "prenorm": True,
+            "pooling": "none", "tie_embeddings": True}
+_KINDS = {RGLRU: "recurrent", Attention: "attention"}
+
+
+def embedding_scale(features: int) -> float:
+  """sqrt(`features`) rounded to bfloat16, the constant `transformers` scales embeddings by."""
+  return float(jnp.asarray(features**0.5, jnp.bfloat16))
 
 
 def options(fields: Fields) -> dict[str, Any]:
@@ -60,7 +70,7 @@ def options(fields: Fields) -> dict[str, Any]:
               norm_eps=fields.float("rms_norm_eps", 1e-6), mlp="geglu",
               mlp_expansion=mlp_width / features, mlp_bias=True,
               tie_embeddings=fields.get("tie_word_embeddings", True),
-              scale_embeddings=float(jnp.asarray(features**0.5, jnp.bfloat16)),
+              scale_embeddings=embedding_scale(features),
               logit_cap=fields.float("logits_soft_cap", 30.0))
 
 
@@ -131,3 +141,97 @@ def _attention(tensors: Tensors, mixer: str, layer: Attention, features: int) ->
       "o_proj": take("o_proj.weight", (features, heads * head_dim)).T,
       "o_bias": take("o_proj.bias", (features,)),
   }
+
+
+def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """`(config.json fields, tensors)` of a Griffin model of RG-LRU and attention blocks.
+
+  Raises:
+    CheckpointError: naming the option that `transformers`' RecurrentGemma does not have.
+  """
+  features = model.features
+  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  heads = {layer.num_heads for layer in made}
+  attention = [layer for layer in made if isinstance(layer, Attention)]
+  recurrent = [layer for layer in made if isinstance(layer, RGLRU)]
+  _expect(model.scale_embeddings == embedding_scale(features), "model.scale_embeddings",
+          f"sqrt(features) rounded to bfloat16, {embedding_scale(features)}")
+  _expect(model.logit_cap is not None, "model.logit_cap", "a number (logits_soft_cap)")
+  _expect(len(heads) == 1, "num_heads", "the same in every RG-LRU and attention layer")
+  for name, count in (("attention", attention), ("RG-LRU", recurrent)):
+    _expect(len({_settings(layer) for layer in count}) <= 1, f"{name} options",
+            "the same in every such layer")
+  if attention:
+    layer = attention[0]
+    _expect(layer.head_dim in (None, features // layer.num_heads), "Attention.head_dim",
+            "features / num_heads")
+    _expect(layer.rope_fraction == 0.5, "Attention.rope_fraction", "0.5")
+    _expect(layer.use_bias and not layer.qk_norm and layer.logit_cap is None, "Attention",
+            "use_bias=True (an output bias), no qk_norm, no logit_cap")
+  width = (recurrent[0].d_state or features) if recurrent else features
+  fields = {
+      "model_type": "recurrent_gemma", "hidden_size": features, "num_hidden_layers": model.num_blocks,
+      "num_attention_heads": heads.pop(), "lru_width": width,
+      "intermediate_size": 2 * round(model.mlp_expansion * features),
+      "block_types": [_KINDS[type(layer)] for layer in made],
+      "conv1d_width": recurrent[0].d_conv if recurrent else 4,
+      "logits_soft_cap": model.logit_cap, "hidden_activation": "gelu_pytorch_tanh",
+      "rms_norm_eps": 1e-6 if model.norm_eps is None else model.norm_eps,
+      "attention_bias": False, "tie_word_embeddings": True,
+  }
+  if attention:
+    layer = attention[0]
+    fields.update(num_key_value_heads=layer.num_kv_heads or layer.num_heads,
+                  attention_window_size=layer.window or layer.cache_size,
+                  rope_parameters={"rope_type": "default", "rope_theta": layer.rope_base,
+                                   "partial_rotary_factor": 0.5})
+  gemma = lambda scale: np.asarray(scale, np.float32) - 1
+  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
+             "model.final_norm.weight": gemma(params["final_norm"]["RMSNorm_0"]["scale"])}
+  for i, block in enumerate(blocks):
+    prefix, mixer = f"model.layers.{i}", block["mixer"]
+    tensors[f"{prefix}.temporal_pre_norm.weight"] = gemma(block["norm"]["RMSNorm_0"]["scale"])
+    tensors[f"{prefix}.channel_pre_norm.weight"] = gemma(block["mlp_norm"]["RMSNorm_0"]["scale"])
+    for name in ("gate", "up", "down"):
+      tensors[f"{prefix}.mlp_block.{name}_proj.weight"] = block[f"mlp_{name}"]["kernel"].T
+      tensors[f"{prefix}.mlp_block.{name}_proj.bias"] = block[f"mlp_{name}"]["bias"]
+    tensors.update({f"{prefix}.temporal_block.{name}": value for name, value in (
+        _rglru_tensors(mixer) if "a_param" in mixer else _attention_tensors(mixer)).items()})
+  return fields, tensors
+
+
+def _settings(layer: Any) -> tuple[Any, ...]:
+  """The options of an RG-LRU or attention layer that config.json holds once for all layers."""
+  if isinstance(layer, RGLRU):
+    return layer.d_state, layer.d_conv
+  return (layer.num_kv_heads, layer.head_dim, layer.rope_base, layer.window, layer.rope_fraction,
+          layer.use_bias)
+
+
+def _expect(holds: bool, option: str, what: str) -> None:
+  if not holds:
+    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+
+
+def _rglru_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  return {
+      "linear_y.weight": mixer["y_proj"].T, "linear_y.bias": mixer["y_bias"],
+      "linear_x.weight": mixer["x_proj"].T, "linear_x.bias": mixer["x_bias"],
+      "conv_1d.weight": mixer["conv_kernel"].T[:, None, :], "conv_1d.bias": mixer["conv_bias"],
+      "rg_lru.input_gate_weight": mixer["input_gate"],
+      "rg_lru.input_gate_bias": mixer["input_gate_bias"],
+      "rg_lru.recurrent_gate_weight": mixer["a_gate"],
+      "rg_lru.recurrent_gate_bias": mixer["a_gate_bias"],
+      "rg_lru.recurrent_param": mixer["a_param"],
+      "linear_out.weight": mixer["out_proj"].T, "linear_out.bias": mixer["out_bias"],
+  }
+
+
+def _attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  if any(np.any(mixer[f"{name}_bias"]) for name in "qkv"):
+    raise CheckpointError("`variables`: an attention block's query, key or value bias is not "
+                          "zero, and RecurrentGemma's attention has only an output bias.")
+  return {"q_proj.weight": mixer["q_proj"].T, "k_proj.weight": mixer["k_proj"].T,
+          "v_proj.weight": mixer["v_proj"].T, "o_proj.weight": mixer["o_proj"].T,
+          "o_proj.bias": mixer["o_bias"]}

@@ -9,19 +9,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ssmkit._src.layers.mamba import Mamba
-from ssmkit._src.layers.mamba2 import Mamba2
-from ssmkit._src.layers.model import SequenceModel
-from ssmkit._src.pretrained import mamba, mamba2
+from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
+from ssmkit._src.pretrained import mamba, mamba2, recurrent_gemma
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError
 
-# The architecture each layer's models are saved as.
-BY_LAYER = {Mamba: mamba, Mamba2: mamba2}
-# The options a model must have to be one of these architectures, as `transformers` builds them.
-REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "pooling": "none",
-            "scale_embeddings": False, "logit_cap": None}
-# flax's RMSNorm epsilon, which a model with `norm_eps` None uses.
-FLAX_RMS_EPS = 1e-6
+# The architectures `save` writes, each with the layers its models are made of.
+WRITTEN = (mamba, mamba2, recurrent_gemma)
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.Path:
@@ -29,10 +22,12 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
   Args:
-    model: a linen `SequenceModel` of one layer kind that a published architecture has
-      (`ssmkit.layers.Mamba`: `MambaForCausalLM`; `ssmkit.layers.Mamba2`:
-      `Mamba2ForCausalLM`), with `block="mixer"`, `norm="rms"`, `mlp="none"`, token inputs and
-      outputs, blocks unrolled or scanned; or its NNX twin (then `variables` is ignored).
+    model: a linen `SequenceModel` that a published architecture expresses: of
+      `ssmkit.layers.Mamba` (`MambaForCausalLM`) or `ssmkit.layers.Mamba2` blocks
+      (`Mamba2ForCausalLM`) with `block="mixer"`, `norm="rms"`, `mlp="none"`; or a pattern of
+      `RGLRU` and `Attention` blocks with GeGLU MLPs, as `ssmkit.pretrained.load` builds a
+      `RecurrentGemmaForCausalLM`; token inputs and outputs, blocks unrolled or scanned. Or
+      its NNX twin (then `variables` is ignored).
     variables: the linen model's variables (`{"params": ...}`), e.g. of a trained `lm` run.
     directory: the folder to write; created if needed.
 
@@ -40,8 +35,8 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
     The directory.
 
   Raises:
-    CheckpointError: naming the model option that no architecture expresses (another layer, a
-      layer pattern, an MLP, a decoder bias that is not zero...).
+    CheckpointError: naming the model option that no architecture expresses (another layer,
+      an MLP where the architecture has none, a decoder bias that is not zero...).
   """
   if not isinstance(model, SequenceModel):
     from ssmkit._src.nnx.convert import to_linen
@@ -49,24 +44,9 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
     model, variables = to_linen(model)
   architecture = _architecture(model)
   params = jax.tree.map(lambda v: np.asarray(v, np.float32), variables["params"])
-  if model.scan_blocks:
-    stacked = params["blocks"]["block"]
-    blocks = [jax.tree.map(lambda v, i=i: v[i], stacked) for i in range(model.num_blocks)]
-  else:
-    blocks = [params[f"block_{i}"] for i in range(model.num_blocks)]
-  tensors = architecture.tensors_of(blocks)
-  fields = architecture.config_of(model, tensors)
-  tensors.update({"backbone.embeddings.weight": params["encoder"]["embedding"],
-                  "backbone.norm_f.weight": params["final_norm"]["RMSNorm_0"]["scale"]})
-  if not model.tie_embeddings:
-    if np.any(params["decoder"]["bias"]):
-      raise CheckpointError("`variables`: the decoder's bias is not zero, and transformers' "
-                            "lm_head has none.")
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  fields, tensors = architecture.checkpoint(model, _blocks(model, params), params)
   config = {"architectures": [architecture.ARCHITECTURE], **fields,
-            "vocab_size": model.vocab_size,
-            "layer_norm_epsilon": FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps,
-            "tie_word_embeddings": model.tie_embeddings, "dtype": "float32"}
+            "vocab_size": model.vocab_size, "dtype": "float32"}
   from safetensors.numpy import save_file
 
   folder = pathlib.Path(directory)
@@ -79,18 +59,32 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
 
 def _architecture(model: SequenceModel) -> Any:
   """The architecture module of `model`, checked to express it exactly."""
-  if not callable(model.layer):
-    raise CheckpointError("`model`: save writes models of one layer kind (Mamba, Mamba2); a layer "
-                          "pattern, RecurrentGemma's included, it does not write.")
-  kind = type(model.layer())
-  if kind not in BY_LAYER:
-    raise CheckpointError(f"`model`: its layer {kind.__name__} has no published architecture "
-                          f"here; ssmkit saves {', '.join(k.__name__ for k in BY_LAYER)} models.")
-  for name, value in REQUIRED.items():
+  kinds = {type(make()) for make in layer_pattern(model.layer)}
+  found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and (len(a.LAYERS) > 1 or
+                                                              not isinstance(model.layer, tuple))]
+  if not found:
+    names = ", ".join(sorted(kind.__name__ for kind in kinds))
+    raise CheckpointError(f"`model`: its layers ({names}) make no architecture that save writes "
+                          "(Mamba, Mamba2, or RGLRU and Attention as RecurrentGemma).")
+  architecture = found[0]
+  for name, value in architecture.REQUIRED.items():
     if getattr(model, name) != value:
       raise CheckpointError(f"`model.{name}`={getattr(model, name)!r}: a "
-                            f"{BY_LAYER[kind].ARCHITECTURE} has {name}={value!r}.")
+                            f"{architecture.ARCHITECTURE} has {name}={value!r}.")
   if model.vocab_size is None or model.num_outputs != model.vocab_size:
     raise CheckpointError("`model`: a causal language model reads tokens and predicts them: "
                           f"vocab_size={model.vocab_size!r}, num_outputs={model.num_outputs!r}.")
-  return BY_LAYER[kind]
+  return architecture
+
+
+def _blocks(model: SequenceModel, params: dict[str, Any]) -> list[dict[str, Any]]:
+  """The parameters of each block in order, unstacked where the blocks run under `nn.scan`."""
+  if not model.scan_blocks:
+    return [params[f"block_{i}"] for i in range(model.num_blocks)]
+  take = lambda tree, index: jax.tree.map(lambda v: v[index], tree)
+  if callable(model.layer):
+    return [take(params["blocks"]["block"], i) for i in range(model.num_blocks)]
+  repeats, _ = scanned_counts(model)
+  size = len(model.layer)
+  return [take(params["blocks"][f"block_{i % size}"], i // size) if i < repeats * size
+          else take(params["tail"][f"block_{i % size}"], 0) for i in range(model.num_blocks)]
