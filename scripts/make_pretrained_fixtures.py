@@ -47,6 +47,11 @@ CONFIGS = {
         conv_kernel=3, time_step_rank=2, use_bias=True, use_conv_bias=False,
         layer_norm_epsilon=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # Mamba with RMS-normalised step-size input, B and C.
+    "falcon_mamba": transformers.FalconMambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+        conv_kernel=4, time_step_rank=2, mixer_rms_eps=1e-6, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "mamba2": transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8,
         n_groups=2, conv_kernel=4, chunk_size=8, time_step_limit=(0.01, 0.5), use_bias=False,

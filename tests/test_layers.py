@@ -536,7 +536,7 @@ def test_s5_rejects_bad_blocks():
     layers.S5(d_state=6, blocks=2).init(jax.random.key(0), _x((4, 2)))
 
 
-def _mamba_reference(params, x, reset, d_conv):
+def _mamba_reference(params, x, reset, d_conv, selective_norm_eps=None):
   """The Mamba block one step at a time in float64 NumPy, from the parameters."""
   p = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
   x = np.asarray(x, np.float64)
@@ -555,21 +555,24 @@ def _mamba_reference(params, x, reset, d_conv):
     window = np.concatenate([window[1:], v[None]])
     u = silu(np.sum(window * p["conv_kernel"], axis=0) + p["conv_bias"])
     dbc = u @ p["x_proj"]
-    dt = softplus(dbc[:rank] @ p["dt_proj"] + p["dt_bias"])
-    b, c = dbc[rank : rank + n], dbc[rank + n :]
+    step_rank, b, c = dbc[:rank], dbc[rank : rank + n], dbc[rank + n :]
+    if selective_norm_eps is not None:  # Falcon-Mamba's weightless RMSNorms
+      norm = lambda v: v / np.sqrt(np.mean(v**2) + selective_norm_eps)
+      step_rank, b, c = norm(step_rank), norm(b), norm(c)
+    dt = softplus(step_rank @ p["dt_proj"] + p["dt_bias"])
     h = np.exp(dt[:, None] * a) * h + (dt * u)[:, None] * b[None, :]
     ys.append(((h @ c + p["D"] * u) * silu(z)) @ p["out_proj"] + p.get("out_proj_bias", 0))
   return np.stack(ys)
 
 
-@pytest.mark.parametrize("use_bias", [False, True])
-def test_mamba_matches_float64_loop(use_bias):
-  layer = layers.Mamba(d_state=5, d_conv=4, use_bias=use_bias)
+@pytest.mark.parametrize(("use_bias", "selective_norm_eps"), [(False, None), (True, 0.1)])
+def test_mamba_matches_float64_loop(use_bias, selective_norm_eps):
+  layer = layers.Mamba(d_state=5, d_conv=4, use_bias=use_bias, selective_norm_eps=selective_norm_eps)
   x, reset = _x((23, 6)), np.asarray(_resets((23,)))
   params = compiled.init(layer, x.shape, 11)
   if use_bias:  # biases that are not zero, so that the test sees them
     params = {"params": {**params["params"], "in_proj_bias": _x((24,)), "out_proj_bias": _x((6,))}}
-  expected = _mamba_reference(params, x, reset, 4)
+  expected = _mamba_reference(params, x, reset, 4, selective_norm_eps)
   _assert_close(compiled.run(layer)(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)
 

@@ -25,7 +25,8 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
 # Each fixture's architecture: "mamba_bias" is a Mamba with projection biases, no convolution
 # bias and an untied head.
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
-                 "mamba2": "Mamba2ForCausalLM", "recurrent_gemma": "RecurrentGemmaForCausalLM"}
+                 "falcon_mamba": "FalconMambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
+                 "recurrent_gemma": "RecurrentGemmaForCausalLM"}
 
 
 def _expected(name):
@@ -103,7 +104,8 @@ def _edit_weights(folder, edit):
     [
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
          r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads "
-         r"\(Mamba2ForCausalLM, MambaForCausalLM, RecurrentGemmaForCausalLM\)"),
+         r"\(FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM, "
+         r"RecurrentGemmaForCausalLM\)"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
         (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),

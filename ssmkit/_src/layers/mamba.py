@@ -44,6 +44,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     common.check_positive_int(getattr(cfg, name), name)
   if cfg.dt_rank is not None:
     common.check_positive_int(cfg.dt_rank, "dt_rank")
+  if cfg.selective_norm_eps is not None and not cfg.selective_norm_eps > 0:
+    raise ValueError(f"`selective_norm_eps` must be > 0 or None, got {cfg.selective_norm_eps!r}.")
   if not 0 < cfg.dt_min <= cfg.dt_max:
     raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={cfg.dt_min}, dt_max={cfg.dt_max}.")
   inner, n, rank = cfg.expand * features, cfg.d_state, cfg.dt_rank or math.ceil(features / 16)
@@ -82,9 +84,14 @@ def _selective(cfg: Any, params: dict[str, Array], u: Array, dtype: Any
   x-projection in `dtype`, the step size's own projection in u's."""
   rank = params["dt_proj"].shape[0]
   dbc = common.project(u, params["x_proj"], dtype)
-  dt = jax.nn.softplus(dbc[..., :rank] @ params["dt_proj"]
-                       + common.leading_ones(params["dt_bias"], u.ndim))
-  return dt, dbc[..., rank : rank + cfg.d_state], dbc[..., rank + cfg.d_state :]
+  parts = dbc[..., :rank], dbc[..., rank : rank + cfg.d_state], dbc[..., rank + cfg.d_state :]
+  if cfg.selective_norm_eps is not None:
+    eps = cfg.selective_norm_eps
+    parts = tuple(part * jax.lax.rsqrt(jnp.mean(part * part, axis=-1, keepdims=True) + eps)
+                  for part in parts)
+  step_rank, b, c = parts
+  dt = jax.nn.softplus(step_rank @ params["dt_proj"] + common.leading_ones(params["dt_bias"], u.ndim))
+  return dt, b, c
 
 
 def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array, dtype: Any) -> Array:
@@ -164,6 +171,9 @@ class Mamba(functional.LinenLayer):
     dt_max: largest initial step.
     use_bias: biases on the in- and out-projections (zero at first), as `transformers`'
       `use_bias` (published Mamba checkpoints have none).
+    selective_norm_eps: RMS-normalise the step size's low-rank input, B and C (without a
+      scale) with this epsilon before use, as Falcon-Mamba does (its `mixer_rms_eps`); None:
+      Mamba's block, which does not.
     param_dtype: dtype of the parameters.
 
   References:
@@ -178,6 +188,7 @@ class Mamba(functional.LinenLayer):
   dt_min: float = 1e-3
   dt_max: float = 1e-1
   use_bias: bool = False
+  selective_norm_eps: float | None = None
   param_dtype: jnp.dtype = jnp.float32
 
   # As in the Mamba code: A, D and the biases at the base learning rate without weight decay.

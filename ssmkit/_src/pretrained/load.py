@@ -10,12 +10,13 @@ import numpy as np
 from flax import traverse_util
 
 from ssmkit._src.layers.model import SequenceModel
-from ssmkit._src.pretrained import mamba, mamba2, recurrent_gemma
+from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
 # Each architecture ssmkit loads, by its `architectures` name in config.json.
-ARCHITECTURES = {module.ARCHITECTURE: module for module in (mamba, mamba2, recurrent_gemma)}
+ARCHITECTURES = {module.ARCHITECTURE: module
+                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma)}
 
 
 def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
@@ -73,7 +74,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   Examples:
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
-    ['Mamba2ForCausalLM', 'MambaForCausalLM', 'RecurrentGemmaForCausalLM']
+    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'RecurrentGemmaForCausalLM']
   """
   directory = checkpoint_directory(path_or_repo_id)
   values = read_config(directory)

@@ -27,6 +27,11 @@ REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "po
 FLAX_RMS_EPS = 1e-6
 
 
+def fits(model: Any) -> bool:
+  """Whether `model`'s Mamba layers are Mamba's own (not Falcon-Mamba's normalised ones)."""
+  return model.layer().selective_norm_eps is None
+
+
 def options(fields: Fields) -> dict[str, Any]:
   """The `SequenceModel` keyword arguments of a Mamba `config.json`.
 

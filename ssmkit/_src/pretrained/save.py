@@ -10,11 +10,11 @@ import jax
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
-from ssmkit._src.pretrained import mamba, mamba2, recurrent_gemma
+from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError
 
 # The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, mamba2, recurrent_gemma)
+WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma)
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.Path:
@@ -60,12 +60,12 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
 def _architecture(model: SequenceModel) -> Any:
   """The architecture module of `model`, checked to express it exactly."""
   kinds = {type(make()) for make in layer_pattern(model.layer)}
-  found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and (len(a.LAYERS) > 1 or
-                                                              not isinstance(model.layer, tuple))]
+  found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and a.fits(model) and (
+      len(a.LAYERS) > 1 or not isinstance(model.layer, tuple))]
   if not found:
     names = ", ".join(sorted(kind.__name__ for kind in kinds))
     raise CheckpointError(f"`model`: its layers ({names}) make no architecture that save writes "
-                          "(Mamba, Mamba2, or RGLRU and Attention as RecurrentGemma).")
+                          "(Mamba, Falcon-Mamba, Mamba2, or RGLRU and Attention as RecurrentGemma).")
   architecture = found[0]
   for name, value in architecture.REQUIRED.items():
     if getattr(model, name) != value:
