@@ -94,10 +94,15 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
   rest of `params`.
 
   Raises:
-    CheckpointError: when its gated norm is over the whole width with several groups, which
-      `transformers` does not compute.
+    CheckpointError: when its gated norm is over the whole width with several groups, or has
+      another epsilon than the model's norms: `transformers` has one, `layer_norm_epsilon`.
   """
   layer = model.layer()
+  fields = mamba.head_fields(model)
+  if layer.norm_eps != fields["layer_norm_epsilon"]:
+    raise CheckpointError(f"`model.norm_eps`={model.norm_eps!r}: a Mamba2ForCausalLM has one "
+                          "epsilon for its RMSNorms and its layers' gated norms; give the model "
+                          f"the Mamba2 layers' norm_eps, {layer.norm_eps}.")
   if layer.n_groups > 1 and not layer.norm_per_group:
     raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "
                           "(norm_per_group=True) to be a transformers Mamba2ForCausalLM.")
@@ -108,7 +113,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
           "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
           "n_groups": layer.n_groups, "conv_kernel": layer.d_conv, "time_step_limit": [low, high],
           "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
-          "residual_in_fp32": True, **mamba.head_fields(model)}, {
+          "residual_in_fp32": True, **fields}, {
               **_block_tensors(blocks), **mamba.head_tensors(model, params)}
 
 
