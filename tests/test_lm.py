@@ -64,7 +64,7 @@ def test_a_run_reports_bits_per_byte_of_the_held_out_documents(tiny_run, capsys)
   model, variables, config = train.load(workdir)
   assert isinstance(config, train.lm.LMConfig) and summary["steps"] == 6
   ds = data.text(path=str(corpus), seq_len=16, validation_fraction=0.3)
-  logits = np.asarray(model.apply(variables, ds.x_test, None, ds.reset_test), np.float64)
+  logits = np.asarray(jax.jit(model.apply)(variables, ds.x_test, None, ds.reset_test), np.float64)
   log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
                                      keepdims=True)) - logits.max(-1, keepdims=True)
   nats = -np.take_along_axis(log_probs, ds.y_test[..., None], -1).sum()
@@ -214,7 +214,7 @@ def test_a_run_with_a_tokenizer_file_reports_bits_per_byte_of_text(tmp_path, cap
   ds = data.text(path=str(corpus), seq_len=16, validation_fraction=0.3, tokenizer=str(path))
   assert model.vocab_size == ds.vocab_size == 300
   log_probs = np.asarray(jax.nn.log_softmax(
-      np.asarray(model.apply(variables, ds.x_test, None, ds.reset_test), np.float64)))
+      np.asarray(jax.jit(model.apply)(variables, ds.x_test, None, ds.reset_test), np.float64)))
   nats = -np.take_along_axis(log_probs, ds.y_test[..., None], -1).sum()
   held_out = data.split_documents(documents, 0.3)[1]
   # The tokens cover nearly all held-out bytes (all but the tail the last row drops).

@@ -266,10 +266,14 @@ def test_ssm_parameters_get_their_own_group(layer, ssm):
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
   """A renamed parameter must be renamed in the declaration too, or this fails (the parameters
-  of every test configuration: some, as biases, exist only with an option)."""
+  of every test configuration, and with `use_bias` where a layer has it: some parameters, as
+  biases, exist only with an option)."""
   names = set()
-  for config in LAYERS[name].test_configs:
-    layer = LAYERS[name].layer(**config)
+  cls = LAYERS[name].layer
+  biased = [{**config, "use_bias": True} for config in LAYERS[name].test_configs
+            if "use_bias" in cls.__dataclass_fields__]
+  for config in [*LAYERS[name].test_configs, *biased]:
+    layer = cls(**config)
     x = jnp.ones((1, 5, 16), jnp.float32)
     names |= set(jax.eval_shape(layer.init, jax.random.key(0), x)["params"])
   groups = LAYERS[name].layer.parameter_groups

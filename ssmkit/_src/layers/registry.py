@@ -44,9 +44,9 @@ LAYERS: dict[str, Entry] = {
     "s4d": Entry(S4D, ({"d_state": 6}, {"d_state": 4, "a_init": "lin", "discretization": "bilinear"})),
     "s5": Entry(S5, ({"d_state": 8},
                      {"d_state": 6, "blocks": 2, "conj_sym": False, "discretization": "bilinear"})),
-    "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3, "use_bias": True, "selective_norm_eps": 1e-5},)),
+    "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3},)),
     "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3},)),
-    "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "num_v_heads": 4, "d_conv": 3},)),
+    "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
     "attention": Entry(Attention, (
