@@ -86,9 +86,9 @@ def read_documents(path: str | pathlib.Path | None = None) -> list[Document]:
 
   Examples:
     >>> from ssmkit.data import read_documents
-    >>> documents = read_documents()
-    >>> any(d.name == "json/decoder.py" for d in documents)
-    True
+    >>> from ssmkit._src.data.text import stdlib_root
+    >>> [d.name for d in read_documents(stdlib_root() / "json") if d.name.startswith("d")]
+    ['decoder.py']
   """
   root, files = _files(path)
   documents = []
