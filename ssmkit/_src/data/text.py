@@ -87,7 +87,7 @@ def read_documents(path: str | pathlib.Path | None = None) -> list[Document]:
   Examples:
     >>> from ssmkit.data import read_documents
     >>> from ssmkit._src.data.text import stdlib_root
-    >>> [d.name for d in read_documents(stdlib_root() / "json") if d.name.startswith("d")]
+    >>> [d.name for d in read_documents(f"{stdlib_root()}/json/*.py") if d.name.startswith("d")]
     ['decoder.py']
   """
   root, files = _files(path)
