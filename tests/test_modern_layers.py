@@ -63,6 +63,16 @@ class _Conv:
     return out if self.bias is None else out + self.bias
 
 
+def _stepped(layer, params, x, reset):
+  """The layer's `step` over the rows of `x` `(T, H)`, from the zero state."""
+  state, ys = layer.initialize_state(x.shape[1:]), []
+  step = compiled.run(layer, method="step")
+  for t in range(x.shape[0]):
+    state, y = step(params, state, x[t], reset[t])
+    ys.append(y)
+  return np.stack(ys)
+
+
 def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups, dt_limit=(0, np.inf), eps=1e-5,
                       norm_groups=1):
   """Mamba2Simple's forward pass one step at a time (the recurrent form of ssd_minimal), with
@@ -114,12 +124,7 @@ def test_mamba2_clips_its_step_and_normalises_per_group_as_transformers():
   expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
                                head_dim=3, n_groups=2, dt_limit=(0.05, 0.4), eps=0.3, norm_groups=2)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
-  state, stepped = layer.initialize_state(x.shape[1:]), []
-  step = compiled.run(layer, method="step")
-  for t in range(x.shape[0]):
-    state, y = step(params, state, x[t], reset[t])
-    stepped.append(y)
-  _assert_close(np.stack(stepped), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
   with pytest.raises(ValueError, match=r"`dt_limit` must be \(low, high\)"):
     layers.Mamba2(head_dim=8, dt_limit=(0.5, 0.1)).init(jax.random.key(0), _x((4, 16)))
 
@@ -204,12 +209,7 @@ def test_gated_deltanet_groups_value_heads_over_shared_keys():
   expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset,
                                        num_heads=2, num_v_heads=6, eps=0.2)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
-  state, stepped = layer.initialize_state(x.shape[1:]), []
-  step = compiled.run(layer, method="step")
-  for t in range(x.shape[0]):
-    state, y = step(params, state, x[t], reset[t])
-    stepped.append(y)
-  _assert_close(np.stack(stepped), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
   with pytest.raises(ValueError, match=r"`num_v_heads`=3 must be a multiple of `num_heads`=2"):
     layers.GatedDeltaNet(num_heads=2, num_v_heads=3).init(jax.random.key(0), x)
 

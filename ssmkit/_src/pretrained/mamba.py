@@ -95,12 +95,19 @@ def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
       "encoder": {"embedding": tensors.take("backbone.embeddings.weight", (vocab, features))},
       "final_norm": {"RMSNorm_0": {"scale": tensors.take("backbone.norm_f.weight", (features,))}},
   }
+  return {**tree, **head(tensors, model)}
+
+
+def head(tensors: Tensors, model: Any) -> dict[str, Any]:
+  """The decoder of an untied `lm_head` (ssmkit's, with a zero bias), or nothing for a tied one,
+  whose saved copy of the embedding is read and dropped."""
+  vocab, features = model.vocab_size, model.features
   if not model.tie_embeddings:
-    tree["decoder"] = {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
-                       "bias": np.zeros(vocab, np.float32)}
-  elif tensors.has("lm_head.weight"):
+    return {"decoder": {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
+                        "bias": np.zeros(vocab, np.float32)}}
+  if tensors.has("lm_head.weight"):
     tensors.take("lm_head.weight", (vocab, features))
-  return tree
+  return {}
 
 
 def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]

@@ -21,6 +21,7 @@ from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
+from ssmkit._src.pretrained.mamba import head
 
 ARCHITECTURE = "RecurrentGemmaForCausalLM"
 # The layers of its models, and the model options it has (`save` checks them).
@@ -108,12 +109,7 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
     block["mixer"] = (_rglru(tensors, mixer, layer, features) if isinstance(layer, RGLRU)
                       else _attention(tensors, mixer, layer, features))
     tree[f"block_{i}"] = block
-  if not model.tie_embeddings:
-    tree["decoder"] = {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
-                       "bias": np.zeros(vocab, np.float32)}
-  elif tensors.has("lm_head.weight"):
-    tensors.take("lm_head.weight", (vocab, features))
-  return tree
+  return {**tree, **head(tensors, model)}
 
 
 def _rglru(tensors: Tensors, mixer: str, layer: RGLRU, features: int) -> dict[str, Any]:
