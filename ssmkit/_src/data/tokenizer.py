@@ -147,6 +147,14 @@ class HFTokenizer:
                                   skip_special_tokens=False)
 
 
+def until_the_end(tokens: np.ndarray, eod: int) -> np.ndarray:
+  """The generated `tokens` `(n,)` before the first end-of-document token `eod` (all of them
+  when there is none)."""
+  tokens = np.asarray(tokens)
+  ends = np.flatnonzero(tokens == eod)
+  return tokens[:ends[0] if ends.size else len(tokens)]
+
+
 def load_tokenizer(path: str | pathlib.Path | None = None, eod_token: str | None = None
                    ) -> ByteTokenizer | HFTokenizer:
   """The tokenizer of a `tokenizer.json` file (`HFTokenizer`), or bytes (`ByteTokenizer`) for None.

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ssmkit._src.data.tokenizer import HFTokenizer
+from ssmkit._src.data.tokenizer import HFTokenizer, until_the_end
 from ssmkit._src.layers.model import generate
 from ssmkit._src.pretrained.files import CheckpointError
 from ssmkit._src.pretrained.load import checkpoint_directory
@@ -72,5 +72,4 @@ def complete(model: Any, variables: Any, coder: HFTokenizer, prompt: str, max_to
   written = np.asarray(generate(model, variables, tokens[None], max_tokens, rng=rng,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 eos_token=coder.eod))[0]
-  ends = np.flatnonzero(written == coder.eod)
-  return coder.decode(np.concatenate([tokens, written[:ends[0] if ends.size else len(written)]]))
+  return coder.decode(np.concatenate([tokens, until_the_end(written, coder.eod)]))

@@ -22,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit import data, layers, pretrained
+from ssmkit._src.data.tokenizer import until_the_end
 from ssmkit._src.layers.model import layer_pattern
 from ssmkit._src.layers.registry import registry_name
 from ssmkit._src.pretrained.text import tokenizer_file
 from ssmkit._src.train.core.errors import ConfigError
 from ssmkit._src.train.core.model import (
     TrainState,
-    build_model,
     float_dtype,
-    layer_names,
     variables,
 )
 from ssmkit._src.train.lm.config import LMConfig, validate
@@ -82,8 +81,7 @@ def model(config: LMConfig, dataset: data.TextDataset) -> supervised.Built:
   """
   section = config.model
   if section.pretrained is None:
-    built = build_model(section, dataset.num_classes, dataset.vocab_size)
-    return built, layer_names(section), None
+    return supervised.configured_model(config, dataset)
   with _checkpoint_errors():
     network, variables, _ = pretrained.load(section.pretrained)
   if network.vocab_size < dataset.vocab_size:
@@ -161,8 +159,7 @@ def samples(run: supervised.Setup, state: TrainState) -> list[str]:
 
 def _until_the_end(tokens: np.ndarray, coder: data.Tokenizer) -> str:
   """The text of generated tokens up to the first end-of-document token."""
-  ends = np.flatnonzero(tokens == coder.eod)
-  return coder.decode(tokens[:ends[0] if ends.size else len(tokens)])
+  return coder.decode(until_the_end(tokens, coder.eod))
 
 
 # Language-model runs, as the supervised trainer takes them.

@@ -74,6 +74,12 @@ class Setup(NamedTuple):
 Built = tuple[layers.SequenceModel, tuple[str, ...], Any]
 
 
+def configured_model(config: Any, dataset: data.SequenceDataset) -> Built:
+  """The model of the config's `model` section for `dataset` (`build_model`), to initialise."""
+  return (build_model(config.model, dataset.num_classes, dataset.vocab_size),
+          layer_names(config.model), None)
+
+
 class Task(NamedTuple):
   """What a kind of run on a `SequenceDataset` adds to this trainer: its schema, its data, its results.
 
@@ -87,8 +93,8 @@ class Task(NamedTuple):
     samples: lines that show the model at work, printed after each evaluation during
       training (a language model's continuations of held-out text); None for none.
     model: the model of a checked config and its dataset: `(model, layer names, parameters)`,
-      the parameters to start from or None to initialise them; None: the model of the
-      config's `model` section (`build_model`), initialised.
+      the parameters to start from or None to initialise them; by default the model of the
+      config's `model` section, initialised (`configured_model`).
   """
 
   schema: type
@@ -96,7 +102,7 @@ class Task(NamedTuple):
   dataset: Callable[[Any], data.SequenceDataset]
   results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
   samples: Callable[[Setup, TrainState], list[str]] | None = None
-  model: Callable[[Any, data.SequenceDataset], Built] | None = None
+  model: Callable[[Any, data.SequenceDataset], Built] = configured_model
 
 
 def _load_dataset(config: DataConfig) -> data.SequenceDataset:
@@ -148,11 +154,7 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   task.validate(config)
   dataset = task.dataset(config)
   mesh = parallel.make_mesh(config.mesh, config.data.batch_size, "data.batch_size")
-  if task.model is None:
-    model = build_model(config.model, dataset.num_classes, dataset.vocab_size)
-    names, params = layer_names(config.model), None
-  else:
-    model, names, params = task.model(config, dataset)
+  model, names, params = task.model(config, dataset)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
   tx = make_optimizer(config.optimizer, names, length)
