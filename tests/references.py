@@ -196,25 +196,38 @@ def retrace(qa_tm1, qa_t, expected_q_t, c_t, r_t, discount_t, truncated=None, fi
   return out - np.asarray(qa_tm1, np.float64)
 
 
-def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, reset_t):
-  """One step of `matrix_state` for `(..., H, K)` rows q_t, k_t, `(..., H, V)` v_t."""
+def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, a_t, b_t, reset_t):
+  """One step of `matrix_state` for `(..., H, K)` rows q_t, k_t, `(..., H, V)` v_t; a delta
+  product's k_t, v_t, beta_t have an axis of n sub-steps before the heads."""
   state = xp.where(reset_t[..., None, None, None], 0.0, state)
   decay = xp.exp(g_t)[..., None] if g_t.ndim == q_t.ndim else xp.exp(g_t)[..., None, None]
-  state = decay * state
-  if beta_t is None:
+  if a_t is not None:  # the generalized delta rule reads the state before it decays
+    read = xp.einsum("...k,...kv->...v", a_t, state)
+    state = decay * state + b_t[..., :, None] * read[..., None, :]
     state = state + k_t[..., :, None] * v_t[..., None, :]
+  elif beta_t is None:
+    state = decay * state + k_t[..., :, None] * v_t[..., None, :]
   else:
-    predicted = xp.einsum("...k,...kv->...v", k_t, state)
-    state = state + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
+    state = decay * state
+    products = k_t.ndim > q_t.ndim
+    for j in range(k_t.shape[-3] if products else 1):
+      k_j, v_j, beta_j = ((k_t[..., j, :, :], v_t[..., j, :, :], beta_t[..., j, :]) if products
+                          else (k_t, v_t, beta_t))
+      predicted = xp.einsum("...k,...kv->...v", k_j, state)
+      state = state + k_j[..., :, None] * (beta_j[..., None] * (v_j - predicted))[..., None, :]
   return state, xp.einsum("...k,...kv->...v", q_t, state)
 
 
-def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None):
-  """Linear attention (beta None) or the gated delta rule, one step at a time in float64.
+def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None, a=None,
+                 b=None):
+  """Linear attention, the gated delta rule, its products or the generalized delta rule, one
+  step at a time in float64.
 
   Per head, with S a (K, V) matrix and row vectors q_t, k_t (K,) and v_t (V,):
-  linear attention S_t = exp(g_t) S_{t-1} + k_t^T v_t; delta rule
-  S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t; o_t = q_t S_t.
+  linear attention S_t = exp(g_t) S_{t-1} + k_t^T v_t; delta rule (beta given)
+  S_t = (I - beta_t k_t^T k_t) exp(g_t) S_{t-1} + beta_t k_t^T v_t; delta product (k
+  `(..., T, n, H, K)`): the decay, then n delta-rule steps per token; generalized delta rule
+  (a, b given) S_t = exp(g_t) S_{t-1} + b_t^T (a_t S_{t-1}) + k_t^T v_t; o_t = q_t S_t.
   `log_decay` is None, `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S);
   `reset` `(..., T)` zeroes S before step t. Returns `(o, S_T)`.
   """
@@ -225,16 +238,19 @@ def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=N
     state = np.array(initial_state, np.float64)
   g = np.zeros(q.shape[:-1]) if log_decay is None else np.asarray(log_decay, np.float64)
   reset = np.zeros(q.shape[:-2], bool) if reset is None else np.asarray(reset)
-  out = np.empty(v.shape)
+  at = lambda x, t: None if x is None else np.asarray(x, np.float64)[(..., t) + (slice(None),) * (
+      np.ndim(x) - q.ndim + 2)]
+  out = np.empty((*q.shape[:-1], v.shape[-1]))
   for t in range(length):
-    beta_t = None if beta is None else np.asarray(beta, np.float64)[..., t, :]
     g_t = g[..., t, :, :] if g.ndim == q.ndim else g[..., t, :]
     state, out[..., t, :, :] = _matrix_state_step(
-        np, state, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :], g_t, beta_t, reset[..., t])
+        np, state, q[..., t, :, :], at(k, t), at(v, t), g_t, at(beta, t), at(a, t), at(b, t),
+        reset[..., t])
   return out, state
 
 
-def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None):
+def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None,
+                      a=None, b=None):
   """`matrix_state` as a `jax.lax.scan` in the inputs' dtype, to differentiate with JAX."""
   import jax
   import jax.numpy as jnp
@@ -245,6 +261,7 @@ def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, re
     state = jnp.zeros((*q.shape[:-3], q.shape[-2], q.shape[-1], v.shape[-1]), q.dtype)
   g = jnp.zeros(q.shape[:-1], q.dtype) if log_decay is None else log_decay
   reset = np.zeros(q.shape[:-2], bool) if reset is None else reset
-  xs = (time(q), time(k), time(v), time(g), time(beta), jnp.moveaxis(jnp.asarray(reset), -1, 0))
+  xs = (time(q), time(k), time(v), time(g), time(beta), time(a), time(b),
+        jnp.moveaxis(jnp.asarray(reset), -1, 0))
   final, out = jax.lax.scan(lambda s, x: _matrix_state_step(jnp, s, *x), state, xs)
   return jnp.moveaxis(out, 0, q.ndim - 3), final

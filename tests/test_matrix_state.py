@@ -1,5 +1,5 @@
-"""`linear_attention` and `delta_rule`: every mode against a float64 loop, gradients, resets,
-streaming, dtypes, memory and errors.
+"""`linear_attention`, `delta_rule`, `delta_product` and `generalized_delta_rule`: every mode
+against a float64 loop, gradients, resets, streaming, dtypes, memory and errors.
 
 The reference (`references.matrix_state`) runs the recurrence one step at a time in float64
 NumPy; `references.matrix_state_scan` is the same loop as a `lax.scan`, to differentiate.
@@ -15,15 +15,18 @@ import pytest
 from jax.test_util import check_grads
 
 import references
-from ssmkit.scan import delta_rule, linear_attention
+from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention
 
-# (name, delta rule?, decay kind): every decay each function takes.
+# (name, function, decay kind): every decay each function takes.
 KINDS = [
-    ("linear", False, None),
-    ("ssd", False, "head"),
-    ("gla", False, "key"),
-    ("deltanet", True, None),
-    ("gated-deltanet", True, "head"),
+    ("linear", "linear", None),
+    ("ssd", "linear", "head"),
+    ("gla", "linear", "key"),
+    ("deltanet", "delta", None),
+    ("gated-deltanet", "delta", "head"),
+    ("kda", "delta", "key"),
+    ("rwkv7", "dplr", "key"),
+    ("gated-deltaproduct", "product", "head"),
 ]
 KIND_IDS = [k[0] for k in KINDS]
 MODES = ["sequential", "chunked", "parallel", "auto"]
@@ -32,21 +35,35 @@ CHUNK = 16  # chunk edges at 16, 32, ...; "auto" keeps the default chunk of 64
 TOL64 = 1e-8
 
 
+PRODUCTS = 2  # delta-rule steps per token of the delta product
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
 def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1, decay=(0.0, 1.0)):
-  """Random inputs of one kind; unit-norm keys and beta in (0, 1) for the delta rule, log-decays
-  drawn from [-decay[1], -decay[0]]."""
-  _, delta, decay_kind = kind
+  """Random inputs of one kind, log-decays drawn from [-decay[1], -decay[0]]: unit-norm keys and
+  beta in (0, 1) for the delta rule and its products, RWKV-7's a = -kappa and
+  b = kappa * alpha (kappa unit, alpha in (0, 1)) for the generalized delta rule."""
+  _, function, decay_kind = kind
   shape = (*batch, length, heads)
+  steps = (*batch, length, PRODUCTS, heads) if function == "product" else shape
   q = rng.normal(size=(*shape, dim_k))
-  k = rng.normal(size=(*shape, dim_k))
-  if delta:
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = rng.normal(size=(*shape, dim_v))
+  k = rng.normal(size=(*steps, dim_k))
+  if function in ("delta", "product"):
+    k = _unit(k)
+  v = rng.normal(size=(*steps, dim_v))
   g = {None: None, "head": -rng.uniform(*decay, shape),
        "key": -rng.uniform(*decay, (*shape, dim_k))}[decay_kind]
+  kappa = _unit(rng.normal(size=(*shape, dim_k)))
+  dplr = function == "dplr"
   return dict(
       q=q, k=k, v=v, log_decay=g,
-      beta=rng.uniform(0.0, 1.0, shape) if delta else None,
+      beta=rng.uniform(0.0, 1.0, steps) if function in ("delta", "product")
+      else None,
+      a=-kappa if dplr else None,
+      b=kappa * rng.uniform(0.0, 1.0, kappa.shape) if dplr else None,
       initial_state=rng.normal(size=(*batch, heads, dim_k, dim_v)),
       reset=rng.uniform(size=(*batch, length)) < reset_rate,
   )
@@ -54,16 +71,23 @@ def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1,
 
 def _call(kind, x, **kwargs):
   """The function under test for `kind` on the inputs `x` (a dict of `_inputs`)."""
-  if kind[1]:
-    return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"],
-                      initial_state=x["initial_state"], reset=x["reset"], **kwargs)
-  return linear_attention(x["q"], x["k"], x["v"], x["log_decay"],
-                          initial_state=x["initial_state"], reset=x["reset"], **kwargs)
+  kwargs.update(initial_state=x["initial_state"], reset=x["reset"])
+  match kind[1]:
+    case "linear":
+      return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], **kwargs)
+    case "delta":
+      return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], **kwargs)
+    case "product":
+      return delta_product(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], **kwargs)
+    case "dplr":
+      return generalized_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], x["log_decay"],
+                                    **kwargs)
 
 
 def _reference(x, differentiable=False):
   loop = references.matrix_state_scan if differentiable else references.matrix_state
-  return loop(x["q"], x["k"], x["v"], x["log_decay"], x["beta"], x["initial_state"], x["reset"])
+  return loop(x["q"], x["k"], x["v"], x["log_decay"], x["beta"], x["initial_state"], x["reset"],
+              x["a"], x["b"])
 
 
 def _assert_close(actual, expected, tol):
@@ -93,7 +117,7 @@ def test_every_mode_matches_float64_loop(kind, mode):
     out, final = _jitted(kind, mode, _chunk(mode))(x)
     expected, expected_final = _reference(x)
     assert out.dtype == jnp.float64 and final.dtype == jnp.float64
-    chex.assert_shape(out, x["v"].shape)
+    chex.assert_shape(out, (*x["q"].shape[:-1], x["v"].shape[-1]))
     _assert_close(out, expected, TOL64)
     _assert_close(final, expected_final, TOL64)
 
@@ -118,7 +142,7 @@ def test_reset_cuts_every_information_before_it(kind):
   x = _inputs(rng, kind, (), 40, reset_rate=0.0)
   x["reset"][21] = True
   y = dict(x, initial_state=x["initial_state"] + 5.0)
-  for name in ("q", "k", "v", "log_decay", "beta"):
+  for name in ("q", "k", "v", "log_decay", "beta", "a", "b"):
     if y[name] is not None:
       y[name] = y[name].copy()
       y[name][:21] = x[name][:21] * 0.5
@@ -133,8 +157,9 @@ def test_reset_cuts_every_information_before_it(kind):
 NON_FINITE_CASES = [
     (kind, name)
     for kind in KINDS
-    for name in ("q", "k", "v", "log_decay", "beta", "initial_state")
-    if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1])
+    for name in ("q", "k", "v", "log_decay", "beta", "a", "b", "initial_state")
+    if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1] in ("delta", "product"))
+    and (name not in ("a", "b") or kind[1] == "dplr")
 ]
 NON_FINITE_IDS = [f"{k[0]}-{n}" for k, n in NON_FINITE_CASES]
 # Chunk layouts that put a non-finite step and the reset after it in one chunk and in two.
@@ -174,7 +199,7 @@ def _tail_gradient(kind, mode, chunk_size, start):
   of the float64 loop for `mode` None."""
 
   def loss(floats, reset):
-    x = dict(dict.fromkeys(("log_decay", "beta")), **floats, reset=reset)
+    x = dict(dict.fromkeys(("log_decay", "beta", "a", "b")), **floats, reset=reset)
     if mode is None:
       out, final = _reference(x, differentiable=True)
     else:
@@ -200,6 +225,11 @@ def test_nan_or_inf_before_a_reset_never_reaches_gradients_after_it(kind, name):
       if n != "initial_state":
         assert np.all(np.isfinite(got[start:])), (mode, chunk, n)
       kept = np.isfinite(want)
+      if kind[2] == "key" and kind[1] != "linear" and name == "initial_state" and n == "log_decay":
+        # The loop's first step scales each key row of S apart, so its decays' gradients stay
+        # finite for the finite rows; the chunked form sums every later step of the chunk
+        # into them, and those read the whole poisoned state. Both are before the reset.
+        kept[0] = False
       assert np.all(np.isfinite(got[kept])), (mode, chunk, n)
       _assert_close(got[kept], want[kept], 1e-8)
 
@@ -215,7 +245,8 @@ def _loss(f, x, names):
 
 
 def _differentiable(x):
-  return [n for n in ("q", "k", "v", "log_decay", "beta", "initial_state") if x[n] is not None]
+  return [n for n in ("q", "k", "v", "log_decay", "beta", "a", "b", "initial_state")
+          if x[n] is not None]
 
 
 def _check_gradients_and_jvp(kind, x, tol):
@@ -422,35 +453,64 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
+FUNCTIONS = ["linear", "delta", "dplr"]
+
+
+@pytest.mark.parametrize("function", FUNCTIONS,
+                         ids=["linear_attention", "delta_rule", "generalized_delta_rule"])
 @pytest.mark.parametrize("overrides, error, match", ERRORS,
                          ids=[e[2].split("`")[1] if "`" in e[2] else e[2] for e in ERRORS])
-def test_bad_input_is_refused_naming_the_argument(delta, overrides, error, match):
-  x = _valid(**overrides)
-  beta = x.pop("beta")
-  q, k, v = x.pop("q"), x.pop("k"), x.pop("v")
+def test_bad_input_is_refused_naming_the_argument(function, overrides, error, match):
+  x = dict(dict.fromkeys(("log_decay", "initial_state", "reset", "a", "b")), **_valid(**overrides))
+  x["a"] = x["b"] = x["k"]
+  kwargs = {n: x.pop(n) for n in ("mode", "chunk_size") if n in x}
   with pytest.raises(error, match=match.replace("(", r"\(").replace(")", r"\)")):
-    if delta:
-      delta_rule(q, k, v, beta, x.pop("log_decay", None), **x)
-    else:
-      linear_attention(q, k, v, x.pop("log_decay", None), **x)
+    _call(("", function, None), x, **kwargs)
 
 
-@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
-def test_decays_computed_by_the_caller_go_unchecked_eagerly_as_under_jit(delta):
+@pytest.mark.parametrize("function", FUNCTIONS,
+                         ids=["linear_attention", "delta_rule", "generalized_delta_rule"])
+def test_decays_computed_by_the_caller_go_unchecked_eagerly_as_under_jit(function):
   x = _valid(log_decay=np.where(np.arange(5)[:, None] == 1, np.nan, -0.5) * np.ones((2, 5, 3)),
-             reset=np.arange(5) == 3 * np.ones((2, 1), bool))
-  inputs = (x["q"], x["k"], x["v"], x["beta"]) if delta else (x["q"], x["k"], x["v"])
-  call = functools.partial(delta_rule if delta else linear_attention, *inputs,
-                           log_decay=x["log_decay"], reset=x["reset"], mode="chunked")
+             reset=np.arange(5) == 3 * np.ones((2, 1), bool), initial_state=None)
+  x["a"], x["b"] = -0.5 * x["k"], x["k"]
+  call = functools.partial(_call, ("", function, None), x, mode="chunked")
   eager = np.asarray(call(check_log_decay=False))
   np.testing.assert_array_equal(eager, jax.jit(call)())
   assert np.all(np.isnan(eager[:, 1:3])) and np.all(np.isfinite(eager[:, [0, 3, 4]]))
 
 
-def test_delta_rule_refuses_one_decay_per_key_and_a_misshapen_beta():
+def test_delta_rule_refuses_a_misshapen_beta():
   x = _valid()
-  with pytest.raises(ValueError, match="`log_decay` must be"):
-    delta_rule(x["q"], x["k"], x["v"], x["beta"], jnp.zeros((2, 5, 3, 4)))
   with pytest.raises(ValueError, match="`beta` must have shape"):
     delta_rule(x["q"], x["k"], x["v"], jnp.ones((2, 5)))
+
+
+def test_generalized_delta_rule_refuses_misshapen_or_missing_read_and_write_vectors():
+  x = _valid()
+  with pytest.raises(ValueError, match=r"`a` must have shape \(2, 5, 3, 4\)"):
+    generalized_delta_rule(x["q"], x["k"], x["v"], jnp.ones((2, 5, 3, 3)), x["k"])
+  with pytest.raises(TypeError, match="`b` must have a real floating"):
+    generalized_delta_rule(x["q"], x["k"], x["v"], x["k"], jnp.ones((2, 5, 3, 4), jnp.int32))
+  with pytest.raises(ValueError, match="`a` and `b` must be arrays"):
+    generalized_delta_rule(x["q"], x["k"], x["v"], None, x["k"])
+
+
+PRODUCT_ERRORS = [
+    (dict(k=jnp.ones((2, 5, 3, 4))), "`k` must be `(..., T, n, H, K)`"),
+    (dict(k=jnp.ones((2, 5, 2, 3, 5))), "`k` must be `(..., T, n, H, K)`"),
+    (dict(k=jnp.ones((2, 5, 0, 3, 4))), "n >= 1"),
+    (dict(v=jnp.ones((2, 5, 3, 3, 6))), "`v` must be `(..., T, n, H, V)`"),
+    (dict(beta=jnp.ones((2, 5, 3))), "`beta` must have shape (2, 5, 2, 3)"),
+    (dict(log_decay=jnp.zeros((2, 5, 2, 3))), "`log_decay` must be (..., T, H)"),
+    (dict(reset=jnp.zeros((2, 10), bool)), "`reset` must have shape (2, 5)"),
+]
+
+
+@pytest.mark.parametrize("overrides, match", PRODUCT_ERRORS, ids=[e[1] for e in PRODUCT_ERRORS])
+def test_delta_product_refuses_shapes_that_do_not_fit_n_steps_per_token(overrides, match):
+  x = dict(q=jnp.ones((2, 5, 3, 4)), k=jnp.ones((2, 5, 2, 3, 4)), v=jnp.ones((2, 5, 2, 3, 6)),
+           beta=jnp.ones((2, 5, 2, 3)), log_decay=None, reset=None)
+  x.update(overrides)
+  with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+    delta_product(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], reset=x["reset"])

@@ -18,7 +18,9 @@ import references
 from ssmkit import layers, rl
 from ssmkit.scan import (
     associative_scan,
+    delta_product,
     delta_rule,
+    generalized_delta_rule,
     linear_attention,
     linear_recurrence,
     linear_recurrence_final_state,
@@ -411,36 +413,54 @@ def test_n_step_window_longer_than_a_slice_is_refused():
 # linear_attention and delta_rule
 
 MATRIX_MODES = ["sequential", "chunked", "parallel", "auto"]
+# Every function in every mode; the functions built on the same machinery in two.
+MATRIX_CASES = [(f, m) for f in ("linear_attention", "delta_rule") for m in MATRIX_MODES] + [
+    (f, m) for f in ("kda", "rwkv7", "delta_product") for m in ("chunked", "parallel")]
 
 
-@pytest.mark.parametrize("mode", MATRIX_MODES)
-@pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])
-def test_matrix_state_across_devices_equals_one_device(delta, mode):
+def _matrix_state(function, q, k, v, g, beta, a, b, **kwargs):
+  match function:
+    case "linear_attention":
+      return linear_attention(q, k, v, g[..., 0], **kwargs)
+    case "delta_rule":
+      return delta_rule(q, k, v, beta, g[..., 0], **kwargs)
+    case "kda":
+      return delta_rule(q, k, v, beta, g, **kwargs)
+    case "rwkv7":
+      return generalized_delta_rule(q, k, v, a, b, g, **kwargs)
+    case "delta_product":  # two steps per token: k, v, beta and -a, b, 1 - beta
+      two = lambda x, y: jnp.stack([x, y], axis=2)
+      return delta_product(q, two(k, -a), two(v, b[..., :v.shape[-1]]), two(beta, 1 - beta),
+                           g[..., 0], **kwargs)
+
+
+@pytest.mark.parametrize("function, mode", MATRIX_CASES, ids=[f"{f}-{m}" for f, m in MATRIX_CASES])
+def test_matrix_state_across_devices_equals_one_device(function, mode):
   """Initial state on device 0, resets at and inside slice edges, the final state, gradients."""
-  rng = np.random.default_rng(3 + 4 * delta + MATRIX_MODES.index(mode))
+  rng = np.random.default_rng(3 + MATRIX_CASES.index((function, mode)))
   batch, length, heads, dim_k, dim_v = 2, DEVICES * 9, 2, 3, 2
   q = rng.normal(size=(batch, length, heads, dim_k))
   k = rng.normal(size=(batch, length, heads, dim_k))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   v = rng.normal(size=(batch, length, heads, dim_v))
-  g = -rng.uniform(0.0, 1.0, (batch, length, heads))
+  g = -rng.uniform(0.0, 1.0, (batch, length, heads, dim_k))
   beta = rng.uniform(0.0, 1.0, (batch, length, heads))
+  kappa = rng.normal(size=(batch, length, heads, dim_k))
+  kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
+  a, b = -kappa, kappa * rng.uniform(0.0, 1.0, kappa.shape)
   state = rng.normal(size=(batch, heads, dim_k, dim_v))
   reset = _resets(rng, length, batch).T
 
-  def run(q, k, v, g, beta, state, reset, axis_name=None):
-    kwargs = dict(initial_state=state, reset=reset, mode=mode, chunk_size=4,
-                  return_final_state=True, axis_name=axis_name)
-    if delta:
-      return delta_rule(q, k, v, beta, g, **kwargs)
-    return linear_attention(q, k, v, g, **kwargs)
+  def run(q, k, v, g, beta, a, b, state, reset, axis_name=None):
+    return _matrix_state(function, q, k, v, g, beta, a, b, initial_state=state, reset=reset,
+                         mode=mode, chunk_size=4, return_final_state=True, axis_name=axis_name)
 
   time = P(None, "seq")
-  sharded = _sharded(functools.partial(run, axis_name="seq"), (time,) * 5 + (P(), time),
+  sharded = _sharded(functools.partial(run, axis_name="seq"), (time,) * 7 + (P(), time),
                      (time, P()))
-  argnums = (0, 1, 2, 3, 4, 5)
-  out, grads = _outputs_and_grads(sharded, argnums, q, k, v, g, beta, state, reset)
-  expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, state, reset)
+  argnums = tuple(range(8))
+  out, grads = _outputs_and_grads(sharded, argnums, q, k, v, g, beta, a, b, state, reset)
+  expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, a, b, state, reset)
   _assert_trees_close(out, expected)
   _assert_trees_close(grads, expected_grads)
 

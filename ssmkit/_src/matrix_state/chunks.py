@@ -31,6 +31,7 @@ class Chunks(NamedTuple):
     log_decay: None, `(Z, H, n, C)` or `(Z, H, n, C, K)`.
     beta: None or `(Z, H, n, C)`.
     reset: None or `(Z, 1, n, C)`.
+    a, b: None or `(Z, H, n, C, K)`.
   """
 
   q: Array
@@ -39,13 +40,15 @@ class Chunks(NamedTuple):
   log_decay: Array | None
   beta: Array | None
   reset: Array | None
+  a: Array | None = None
+  b: Array | None = None
 
 
 def pad(x: Inputs, size: int) -> Inputs:
   """`x` with time zero-padded to whole chunks of `size` steps (a no-op if it has them).
 
-  The padding steps leave the state unchanged: zero keys, values, write strengths and
-  log-decays, no reset.
+  The padding steps leave the state unchanged: zero keys, values, write strengths, read
+  and write vectors and log-decays, no reset.
   """
   extra = -x.q.shape[1] % size
   if extra == 0:
@@ -53,7 +56,7 @@ def pad(x: Inputs, size: int) -> Inputs:
   grow = lambda a: None if a is None else jnp.pad(
       a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
   return x._replace(q=grow(x.q), k=grow(x.k), v=grow(x.v), log_decay=grow(x.log_decay),
-                    beta=grow(x.beta), reset=grow(x.reset))
+                    beta=grow(x.beta), a=grow(x.a), b=grow(x.b), reset=grow(x.reset))
 
 
 def split(x: Inputs, size: int, start=0, length: int | None = None) -> Chunks:
@@ -73,7 +76,8 @@ def split(x: Inputs, size: int, start=0, length: int | None = None) -> Chunks:
     return a.transpose((0, 3, 1, 2, *range(4, a.ndim)))
 
   reset = None if x.reset is None else x.reset[:, :, None]  # a unit head axis
-  return Chunks(one(x.q), one(x.k), one(x.v), one(x.log_decay), one(x.beta), one(reset))
+  return Chunks(one(x.q), one(x.k), one(x.v), one(x.log_decay), one(x.beta), one(reset),
+                one(x.a), one(x.b))
 
 
 def merge(out: Array) -> Array:
@@ -128,6 +132,46 @@ def pairwise_decay(b: Array, causal: Array) -> Array:
   """
   diff = b[..., :, None] - b[..., None, :]
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+
+
+def per_key_scores(x: Array, y: Array, bx: Array, by: Array, precision,
+                   strict: bool = False) -> Array:
+  """sum_d x_td y_sd exp(bx_td - by_sd) for s <= t (s < t if `strict`) inside each chunk.
+
+  With one decay per key channel the decay does not factor out of the product, and
+  scaling x by exp(bx) and y by exp(-by) would overflow. The chunk is split into blocks of
+  at most 16 steps. Between blocks (s in block j before block i) the decay factors at the
+  end r_j of block j into exp(bx_t - r_j) exp(r_j - by_s), both <= 1; inside a block the
+  decays are formed step pair by step pair, where s <= t (s < t).
+
+  Args:
+    x, y: `(Z, H, n, C, K)` rows of each chunk.
+    bx, by: `(Z, H, n, C, K)` cumulative log-decays of x's and y's steps; bx_t - by_s and
+      bx_t - r_j must be <= 0 wherever they are used (by = bx, or bx one step behind it
+      with `strict`).
+    precision: matmul precision.
+    strict: leave out s = t.
+
+  Returns:
+    `(Z, H, n, C, C)` scores, zero for s > t (and s = t if `strict`).
+  """
+  size = x.shape[3]
+  sub = max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
+  m = size // sub
+  shape = (*x.shape[:3], m, sub, x.shape[-1])
+  x, y, bx, by = (a.reshape(shape) for a in (x, y, bx, by))  # (Z, H, n, m, c, K)
+  r = by[:, :, :, :, -1]  # (Z, H, n, m, K)
+  later = (jnp.arange(m)[:, None] > jnp.arange(m)[None, :])[:, :, None, None]
+  diff = bx[:, :, :, :, None] - r[:, :, :, None, :, None]  # (Z, H, n, i, j, c, K)
+  x_scaled = x[:, :, :, :, None] * jnp.exp(jnp.where(later[None, None, None], diff, -jnp.inf))
+  y_scaled = y * jnp.exp(r[:, :, :, :, None] - by)
+  between = jnp.einsum("zhnijtd,zhnjsd->zhnitjs", x_scaled, y_scaled, precision=precision)
+  lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[:, :, None]  # (t, s, K)
+  inside = bx[:, :, :, :, :, None] - by[:, :, :, :, None, :]  # (Z, H, n, m, t, s, K)
+  inside = jnp.exp(jnp.where(lower, inside, -jnp.inf))
+  within = jnp.sum(x[:, :, :, :, :, None] * y[:, :, :, :, None] * inside, axis=-1)
+  scores = between + jnp.einsum("zhnits,ij->zhnitjs", within, jnp.eye(m, dtype=within.dtype))
+  return scores.reshape((*scores.shape[:3], size, size))
 
 
 def masked(x: Array, mask: Array | None) -> Array:

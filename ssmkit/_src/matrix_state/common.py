@@ -1,4 +1,4 @@
-"""What `linear_attention` and `delta_rule` share: input hygiene at resets and mode dispatch."""
+"""What the matrix-state recurrences share: input hygiene at resets and mode dispatch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax import lax
 
 from ssmkit._src.engine import vary_alike
 from ssmkit._src.matrix_state import chunks, state_pass
-from ssmkit._src.matrix_state.inputs import Inputs
+from ssmkit._src.matrix_state.inputs import FLOATS, Inputs
 from ssmkit._src.modes import Mode, resolve_matrix_mode
 
 Array = jax.Array
@@ -181,8 +181,8 @@ def evaluate(
   size = min(chunk_size or DEFAULT_CHUNK_SIZE, length)
   final = None
   if axis_name is not None:
-    arrays = vary_alike(tuple(x[:6]))
-    x = x._replace(**dict(zip(Inputs._fields[:6], arrays, strict=True)))
+    arrays = vary_alike(tuple(getattr(x, f) for f in FLOATS))
+    x = x._replace(**dict(zip(FLOATS, arrays, strict=True)))
     device = _device_map(x, chunk_maps, size, matrix, plan.forward is Mode.PARALLEL, precision)
     entering, final = state_pass.across_devices(device, x.state, matrix=matrix,
                                                 axis_name=axis_name, precision=precision)
@@ -213,7 +213,7 @@ def _differentiated_by(values: Callable[[Inputs], Any], derivatives: Callable[[I
   `derivatives` the one whose derivatives are cheaper (e.g. a loop that streams the state
   against the chunked form that keeps one state per chunk).
   """
-  fields = ("q", "k", "v", "log_decay", "beta", "state", "reset")
+  fields = (*FLOATS, "reset")
   rebuild = lambda arrays: x._replace(**dict(zip(fields, arrays, strict=True)))
 
   @jax.custom_jvp

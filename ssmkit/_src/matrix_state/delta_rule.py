@@ -19,11 +19,10 @@ Array = jax.Array
 
 def _step(precision):
   def step(s, x):
-    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (Z, H, K|V) vectors, (Z, H) scalars, (Z,)
+    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (Z, H, K|V) vectors, (Z, H[, K]), (Z,)
     if reset_t is not None:
       s = jnp.where(reset_t[:, None, None, None], 0, s)
-    if g_t is not None:
-      s = s * jnp.exp(g_t)[..., None, None]
+    s = steps.decayed(s, g_t)
     predicted = jnp.einsum("zhk,zhkv->zhv", k_t, s, precision=precision)
     s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
     return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
@@ -41,11 +40,13 @@ def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
 def _chunk_maps(c: chunks.Chunks, precision):
   """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
 
-  Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - exp(g_t) k_t
-  S_{t-1}) solve the unit lower-triangular system (I + L) u = beta v - beta exp(b) K S_0
-  with L_ts = beta_t exp(b_t - b_s) k_t . k_s for s < t (the UT transform of the WY
-  representation). Solving once for both right-hand sides gives u = U - W S_0 for any
-  entering state S_0; the chunk is then linear attention with values u.
+  Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - k_t
+  diag(exp(g_t)) S_{t-1}) solve the unit lower-triangular system
+  (I + L) u = beta v - beta (k exp(b)) S_0 with L_ts = beta_t sum_d k_td k_sd
+  exp(b_td - b_sd) for s < t (the UT transform of the WY representation; one decay per
+  head is the same for every d). Solving once for both right-hand sides gives
+  u = U - W S_0 for any entering state S_0; the chunk is then linear attention with
+  values u.
   """
   q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
@@ -53,14 +54,15 @@ def _chunk_maps(c: chunks.Chunks, precision):
   bad = None
   if reset is not None:
     (k, v, beta, g), bad = common.sanitize((k, v, beta, g))
-  kk = jnp.einsum("zhncd,zhnsd->zhncs", k, k, precision=precision)
-  qk = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
+  if g is None or g.ndim == 4:
+    kk = jnp.einsum("zhncd,zhnsd->zhncs", k, k, precision=precision)
+    qk = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
   if g is None:
     interact = jnp.where(seg.strict, kk, 0)
     weights = jnp.where(seg.causal, qk, 0)
     k_in, q_in, k_out = k, q, k
     a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
-  else:
+  elif g.ndim == 4:
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
     decay = chunks.pairwise_decay(b, seg.causal)
@@ -70,6 +72,15 @@ def _chunk_maps(c: chunks.Chunks, precision):
     q_in = q * jnp.exp(b)[..., None]
     k_out = k * jnp.exp(total[..., None] - b)[..., None]
     a = jnp.exp(total)[..., None, None]
+  else:  # one decay per key channel: the decays scale the rows of S, M's diagonal
+    b = chunks.cumulative(g)
+    total = b[:, :, :, -1]
+    interact = jnp.where(seg.strict, chunks.per_key_scores(k, k, b, b, precision), 0)
+    weights = jnp.where(seg.causal, chunks.per_key_scores(q, k, b, b, precision), 0)
+    k_in = k * jnp.exp(b)
+    q_in = q * jnp.exp(b)
+    k_out = k * jnp.exp(total[:, :, :, None] - b)
+    a = jnp.exp(total)[..., None]
   rows = beta[..., None]
   rhs = jnp.concatenate([v, chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)
   solved = triangular.unit_lower_solve(rows * interact, rows * rhs, precision)
@@ -102,18 +113,19 @@ def delta_rule(
     precision: lax.PrecisionLike = None,
     check_log_decay: bool = True,
 ):
-  """The delta rule and the gated delta rule (DeltaNet, Gated DeltaNet), per head.
+  """The delta rule and the gated delta rule (DeltaNet, Gated DeltaNet, KDA), per head.
 
   With a `(K, V)` state S, row vectors q_t, k_t `(K,)`, v_t `(V,)` and a write strength
   beta_t:
 
-    S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
+    S_t = (I - beta_t k_t^T k_t) diag(exp(g_t)) S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
 
   i.e. the state decays, then moves its prediction k_t S for key k_t a fraction beta_t of
-  the way to v_t. `log_decay` g_t is one number per head (Gated DeltaNet) or absent
-  (DeltaNet). No normalisation of the keys or scaling of `q` is implied (the layers
-  normalise keys to unit length, which keeps the transition a contraction for beta in
-  [0, 2]). `reset[..., t]` clears the state before step t, also inside a chunk.
+  the way to v_t. `log_decay` g_t is one number per head (Gated DeltaNet), one per key
+  channel, scaling the rows of S (Kimi Delta Attention), or absent (DeltaNet). No
+  normalisation of the keys or scaling of `q` is implied (the layers normalise keys to
+  unit length, which keeps the transition a contraction for beta in [0, 2]).
+  `reset[..., t]` clears the state before step t, also inside a chunk.
 
   The chunked mode solves, per chunk of C steps, the unit lower-triangular system of the
   UT transform (Yang et al. 2024) for the chunk's writes given any entering state, so a
@@ -126,7 +138,8 @@ def delta_rule(
     k: `(..., T, H, K)` keys.
     v: `(..., T, H, V)` values.
     beta: `(..., T, H)` write strengths (usually in (0, 1)).
-    log_decay: None or `(..., T, H)`: log of the decay, <= 0 and finite.
+    log_decay: None, `(..., T, H)` or `(..., T, H, K)`: log of the decay, <= 0 and finite;
+      a per-key decay stays exact however strong (each exponent is a difference <= 0).
     initial_state: `(..., H, K, V)` state before the first step; default zeros.
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
@@ -144,9 +157,9 @@ def delta_rule(
 
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
-    ValueError: for shapes that do not fit `q` (a per-key `log_decay` included), a
-      positive or non-finite `log_decay` known at trace time, an unknown `mode`, a
-      non-positive `chunk_size`, or an `axis_name` outside `shard_map`.
+    ValueError: for shapes that do not fit `q`, a positive or non-finite `log_decay` known
+      at trace time, an unknown `mode`, a non-positive `chunk_size`, or an `axis_name`
+      outside `shard_map`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -159,14 +172,15 @@ def delta_rule(
   References:
     Schlag et al., "Linear transformers are secretly fast weight programmers", ICML 2021;
     Yang et al., "Parallelizing linear transformers with the delta rule over sequence
-    length", NeurIPS 2024; Yang, Kautz & Hatamizadeh, "Gated delta networks", ICLR 2025.
+    length", NeurIPS 2024; Yang, Kautz & Hatamizadeh, "Gated delta networks", ICLR 2025;
+    Kimi Team, "Kimi Linear: an expressive, efficient attention architecture", 2025.
   """
   mode = parse_mode(mode)
   checks.check_chunk_size(chunk_size)
   if axis_name is not None:
     axis_position(axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, per_key_decay=False, check_log_decay=check_log_decay)
+              reset=reset, per_key_decay=True, check_log_decay=check_log_decay)
   out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                                chunk_size=chunk_size, axis_name=axis_name,
                                precision=precision)

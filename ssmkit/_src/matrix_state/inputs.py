@@ -1,4 +1,4 @@
-"""Argument checks and the internal layout shared by `linear_attention` and `delta_rule`.
+"""Argument checks and the internal layout shared by the matrix-state recurrences.
 
 Public shapes put time on axis -3 behind any batch axes: `q, k` `(..., T, H, K)`, `v`
 `(..., T, H, V)`, the state `(..., H, K, V)`. Internally the batch axes are flattened into
@@ -29,6 +29,8 @@ class Inputs(NamedTuple):
     v: `(Z, T, H, V)` values.
     log_decay: None, `(Z, T, H)` (one decay per head) or `(Z, T, H, K)` (one per key).
     beta: None (linear attention) or `(Z, T, H)` write strengths (delta rule).
+    a, b: None, or `(Z, T, H, K)` the vectors that read and write the state
+      (`generalized_delta_rule`).
     state: `(Z, H, K, V)` state before the first step.
     reset: None or `(Z, T)` booleans; True clears the state before that step.
     batch: the flattened batch shape.
@@ -40,10 +42,16 @@ class Inputs(NamedTuple):
   v: Array
   log_decay: Array | None
   beta: Array | None
+  a: Array | None
+  b: Array | None
   state: Array
   reset: Array | None
   batch: tuple[int, ...]
   dtype: jnp.dtype
+
+
+# The floating arrays of `Inputs`, every one the recurrence is differentiable in.
+FLOATS = ("q", "k", "v", "log_decay", "beta", "a", "b", "state")
 
 
 def _check_log_decay_values(log_decay: Array) -> None:
@@ -75,12 +83,14 @@ def prepare(
     reset,
     per_key_decay: bool,
     check_log_decay: bool,
+    a=None,
+    b=None,
 ) -> Inputs:
   """Checks shapes and dtypes, flattens the batch axes and casts to the accumulation dtype.
 
   Args:
-    q, k, v, log_decay, beta, initial_state, reset: the public arguments (`beta` None for
-      linear attention).
+    q, k, v, log_decay, beta, initial_state, reset, a, b: the public arguments (`beta`
+      None but for the delta rule, `a` and `b` but for the generalized one).
     per_key_decay: whether `(..., T, H, K)` decays are accepted besides `(..., T, H)`.
     check_log_decay: whether to refuse a positive or non-finite `log_decay` known at trace
       time.
@@ -117,6 +127,14 @@ def prepare(
     beta = checks.real_floating(beta, "beta")
     checks.check_shape(beta, step_shape, "beta", "(..., T, H)")
     dtypes.append(beta.dtype)
+  rank_one = []
+  for x, name in ((a, "a"), (b, "b")):
+    if x is not None:
+      x = checks.real_floating(x, name)
+      checks.check_shape(x, q.shape, name, "(..., T, H, K): the shape of `q`")
+      dtypes.append(x.dtype)
+    rank_one.append(x)
+  a, b = rank_one
   state_shape = (*batch, heads, dim_k, v.shape[-1])
   if initial_state is not None:
     initial_state = checks.real_floating(initial_state, "initial_state")
@@ -138,6 +156,8 @@ def prepare(
       v=flat(v),
       log_decay=flat(log_decay),
       beta=flat(beta),
+      a=flat(a),
+      b=flat(b),
       state=state.reshape((z, *state_shape[-3:])),
       reset=None if reset is None else reset.reshape((z, length)),
       batch=batch,

@@ -22,10 +22,7 @@ def _step(precision):
     q_t, k_t, v_t, g_t, reset_t = x  # (Z, H, K), (Z, H, K), (Z, H, V), (Z, H[, K]), (Z,)
     if reset_t is not None:
       s = jnp.where(reset_t[:, None, None, None], 0, s)
-    if g_t is not None:
-      decay = jnp.exp(g_t)
-      s = s * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
-    s = s + k_t[..., :, None] * v_t[..., None, :]
+    s = steps.decayed(s, g_t) + k_t[..., :, None] * v_t[..., None, :]
     return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
 
   return step
@@ -36,34 +33,6 @@ def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
              for a in (x.q, x.k, x.v, x.log_decay, x.reset))
   out, final = steps.run(_step(precision), xs, x.state, size)
   return jnp.moveaxis(out, 0, 1), final
-
-
-def _per_key_scores(q: Array, k: Array, b: Array, precision) -> Array:
-  """sum_d q_td k_sd exp(b_td - b_sd) for s <= t inside each chunk: `(Z, H, n, C, C)`.
-
-  With one decay per key channel the decay does not factor out of the product, and
-  scaling q by exp(b) and k by exp(-b) would overflow. The chunk is split into blocks of
-  at most 16 steps. Between blocks (s in block j before block i) the decay factors at the
-  end r_j of block j into exp(b_t - r_j) exp(r_j - b_s), both <= 1; inside a block the
-  decays are formed step pair by step pair.
-  """
-  size = q.shape[3]
-  sub = max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
-  m = size // sub
-  shape = (*q.shape[:3], m, sub, q.shape[-1])
-  q, k, b = (x.reshape(shape) for x in (q, k, b))  # (Z, H, n, m, c, K)
-  r = b[:, :, :, :, -1]  # (Z, H, n, m, K)
-  later = (jnp.arange(m)[:, None] > jnp.arange(m)[None, :])[:, :, None, None]
-  diff = b[:, :, :, :, None] - r[:, :, :, None, :, None]  # (Z, H, n, i, j, c, K)
-  q_scaled = q[:, :, :, :, None] * jnp.exp(jnp.where(later[None, None, None], diff, -jnp.inf))
-  k_scaled = k * jnp.exp(r[:, :, :, :, None] - b)
-  between = jnp.einsum("zhnijtd,zhnjsd->zhnitjs", q_scaled, k_scaled, precision=precision)
-  lower = jnp.tril(jnp.ones((sub, sub), bool))[:, :, None]  # (t, s, K)
-  inside = b[:, :, :, :, :, None] - b[:, :, :, :, None, :]  # (Z, H, n, m, t, s, K)
-  inside = jnp.exp(jnp.where(lower, inside, -jnp.inf))
-  within = jnp.einsum("zhnmtd,zhnmsd,zhnmtsd->zhnmts", q, k, inside, precision=precision)
-  scores = between + jnp.einsum("zhnits,ij->zhnitjs", within, jnp.eye(m, dtype=within.dtype))
-  return scores.reshape((*scores.shape[:3], size, size))
 
 
 def _chunk_maps(c: chunks.Chunks, precision):
@@ -88,7 +57,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
       k_out = k * jnp.exp(total[..., None] - b)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      weights = jnp.where(seg.causal, _per_key_scores(q, k, b, precision), 0)
+      weights = jnp.where(seg.causal, chunks.per_key_scores(q, k, b, b, precision), 0)
       q_in = q * jnp.exp(b)
       k_out = k * jnp.exp(total[:, :, :, None] - b)
       a = jnp.exp(total)[..., None]

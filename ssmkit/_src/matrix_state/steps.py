@@ -18,6 +18,15 @@ Array = jax.Array
 Step = Callable[[Array, Any], tuple[Array, Array]]
 
 
+def decayed(s: Array, g_t: Array | None) -> Array:
+  """The `(Z, H, K, V)` state `s` times exp(g_t): `(Z, H)` one decay per head, `(Z, H, K)` one
+  per key row, None none."""
+  if g_t is None:
+    return s
+  decay = jnp.exp(g_t)
+  return s * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
+
+
 def run(step: Step, xs: Any, state: Array, size: int) -> tuple[Array, Array]:
   """Scans `step(state, x_t) -> (state, o_t)` over time-major `xs`; returns `(o, final)`.
 
