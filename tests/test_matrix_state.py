@@ -294,6 +294,21 @@ def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
   _check_gradients_and_jvp(kind, x, 1e-6 if dtype == np.float64 else 1e-3)
 
 
+PER_KEY = [kind for kind in KINDS if kind[2] == "key"]
+
+
+@pytest.mark.parametrize("kind", PER_KEY, ids=[kind[0] for kind in PER_KEY])
+def test_per_key_decays_take_each_path_of_the_chunk_scores(kind):
+  """Chunks of 64 steps whose decays factor over the whole chunk (a span under 480 nats in
+  float64), only over blocks of 16 steps (8 to 12 nats a step), or over neither (47 to 50)."""
+  for decay in ((0.0, 1.0), (8.0, 12.0), (47.0, 50.0)):
+    x = _inputs(np.random.default_rng(22), kind, (), 70, decay=decay)
+    expected, expected_final = _reference(x)
+    out, final = _jitted(kind, "chunked", 64)(x)
+    _assert_close(out, expected, TOL64)
+    _assert_close(final, expected_final, TOL64)
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_gradients_match_finite_differences(kind):
   rng = np.random.default_rng(12)

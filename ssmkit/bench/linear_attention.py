@@ -1,15 +1,18 @@
-"""`ssmkit bench linear-attention`: `linear_attention` and `delta_rule` against hand-written forms.
+"""`ssmkit bench linear-attention`: the matrix-state recurrences against hand-written forms.
 
-For every shape `(B, T, H, K=V)` (float32, one decay per head g_t ~ -U(0.01, 0.3), keys of
-unit length, beta ~ U(0, 1)), each method computes the outputs o; the forward pass and
-the gradient of sum(o * w) with respect to every input (w ~ N(0, 1)) are timed, and the
-XLA temporary memory and compile time of the gradient are reported. The baselines are
-what a user writes by hand: a `lax.scan` over the (K, V) state, differentiated by
-autodiff, and, for linear attention, the quadratic masked-attention form (skipped where
-its T x T matrices would pass `_QUADRATIC_MAX_BYTES`) and the chunkwise form of mamba's
-`ssd_minimal.py` with a `lax.scan` between chunks, differentiated by autodiff. Every method
-is first checked against the `lax.scan` result, so the table compares equal results. Each
-shape's rows are printed as soon as they are measured.
+For every shape `(B, T, H, K=V)` (float32, log-decays g ~ -U(0.01, 0.3), keys of unit
+length, beta ~ U(0, 1)), each method computes the outputs o; the forward pass and the
+gradient of sum(o * w) with respect to every input (w ~ N(0, 1)) are timed, and the XLA
+temporary memory and compile time of the gradient are reported. The functions:
+`linear_attention` and `delta_rule` with one decay per head, `kda` (`delta_rule` with one
+decay per key channel), `generalized_delta_rule` (RWKV-7's a = -kappa, b = kappa * alpha,
+one decay per key channel) and `delta_product` (two steps per token, one decay per head).
+The baselines are what a user writes by hand: one plain `lax.scan` over the (K, V) state,
+differentiated by autodiff, and, for linear attention, the quadratic masked-attention form
+(skipped where its T x T matrices would pass `_QUADRATIC_MAX_BYTES`) and the chunkwise form
+of mamba's `ssd_minimal.py` with a `lax.scan` between chunks, differentiated by autodiff.
+Every method is first checked against the `lax.scan` result, so the table compares equal
+results. Each shape's rows are printed as soon as they are measured.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from ssmkit.bench import _timing
-from ssmkit.scan import delta_rule, linear_attention
+from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention
 
 Array = jax.Array
 
@@ -44,6 +47,12 @@ _MIN_SPEEDUP = 10.0  # linear attention, fwd+bwd of lax.scan over auto's
 _MAX_MEMORY = 0.1  # fwd+bwd temp memory of auto over lax.scan's (both functions)
 _MAX_DELTA_TIME = 0.2  # delta rule, fwd+bwd time of auto over lax.scan's
 _MAX_COMPILE_VS_SCAN = 3.0  # gradient compile time at `Suite.compile_shape`
+# The newer functions, fwd+bwd of lax.scan over auto's and auto's temp memory over its.
+_MIN_NEW_SPEEDUP = 5.0
+_MAX_NEW_MEMORY = 0.05
+# At every shape on CPU, linear_attention's and delta_rule's auto forward over one plain
+# lax.scan's: both run the same steps, so this allows the noise of interleaved medians.
+_MAX_FORWARD_VS_SCAN = 1.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,38 +82,63 @@ SUITES = {
     "small": Suite((Shape(2, 70, 1, 4),), judged=None, compile_shape=None),
 }
 
-Method = Callable[..., Array]  # (q, k, v, g, beta) -> o
+Method = Callable[..., Array]  # (*the function's inputs) -> o
 
 
-def _scan_linear_attention(q, k, v, g, beta):
-  del beta
+def _plain_scan(step, q, v, *xs):
+  """One `lax.scan` of `step(S, (q_t, *x_t)) -> S` over time axis 1, reading o_t = q_t S_t."""
 
-  def step(s, x):
-    q_t, k_t, v_t, g_t = x
-    s = jnp.exp(g_t)[..., None, None] * s + k_t[..., :, None] * v_t[..., None, :]
-    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s)
+  def read(s, x):
+    s = step(s, x[1:])
+    return s, jnp.einsum("bhk,bhkv->bhv", x[0], s)
 
-  state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), q.dtype)
-  _, o = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g)))
+  state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[-1]), q.dtype)
+  _, o = lax.scan(read, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, v, *xs)))
   return jnp.moveaxis(o, 0, 1)
+
+
+def _decay(s, g_t):
+  return s * (jnp.exp(g_t)[..., None] if g_t.ndim == 3 else jnp.exp(g_t)[..., None, None])
+
+
+def _delta(s, k_t, v_t, b_t):
+  error = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, s)
+  return s + k_t[..., :, None] * (b_t[..., None] * error)[..., None, :]
+
+
+def _scan_linear_attention(q, k, v, g):
+  step = lambda s, x: _decay(s, x[2]) + x[1][..., :, None] * x[0][..., None, :]
+  return _plain_scan(step, q, v, k, g)
 
 
 def _scan_delta_rule(q, k, v, g, beta):
+  step = lambda s, x: _delta(_decay(s, x[2]), x[1], x[0], x[3])
+  return _plain_scan(step, q, v, k, g, beta)
+
+
+def _scan_generalized_delta_rule(q, k, v, g, a, b):
   def step(s, x):
-    q_t, k_t, v_t, g_t, b_t = x
-    s = jnp.exp(g_t)[..., None, None] * s
-    error = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, s)
-    s = s + k_t[..., :, None] * (b_t[..., None] * error)[..., None, :]
-    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s)
+    v_t, k_t, g_t, a_t, b_t = x
+    read = jnp.einsum("bhk,bhkv->bhv", a_t, s)
+    write = b_t[..., :, None] * read[..., None, :] + k_t[..., :, None] * v_t[..., None, :]
+    return _decay(s, g_t) + write
 
-  state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), q.dtype)
-  _, o = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
-  return jnp.moveaxis(o, 0, 1)
+  return _plain_scan(step, q, v, k, g, a, b)
 
 
-def _quadratic(q, k, v, g, beta):
+def _scan_delta_product(q, k, v, g, beta):
+  def step(s, x):
+    v_t, k_t, g_t, b_t = x  # (B, n, H, .) steps of one token
+    s = _decay(s, g_t)
+    for j in range(k_t.shape[1]):
+      s = _delta(s, k_t[:, j], v_t[:, j], b_t[:, j])
+    return s
+
+  return _plain_scan(step, q, v, k, g, beta)
+
+
+def _quadratic(q, k, v, g):
   """o_t = sum_{s<=t} exp(b_t - b_s) (q_t . k_s) v_s with b the cumulative log-decay."""
-  del beta
   b = jnp.moveaxis(jnp.cumsum(g, axis=1), 2, 1)  # (B, H, T)
   length = q.shape[1]
   causal = jnp.tril(jnp.ones((1, 1, length, length), bool))
@@ -113,14 +147,13 @@ def _quadratic(q, k, v, g, beta):
   return jnp.einsum("bhts,bshv->bthv", weights, v)
 
 
-def _chunked_autodiff(q, k, v, g, beta):
+def _chunked_autodiff(q, k, v, g):
   """SSD's chunkwise form as users write it (mamba's `ssd_minimal.py`), differentiated by JAX.
 
   Chunks of 64 steps (T zero-padded to a multiple): inside a chunk the masked, decayed
   product; between chunks a `lax.scan` over the (K, V) state. Autodiff keeps what the
   forward pass made: the chunks' C x C matrices and one state per chunk.
   """
-  del beta
   batch, length, heads, _ = q.shape
   size = min(_HAND_CHUNK, length)
   count = -(-length // size)
@@ -144,31 +177,54 @@ def _chunked_autodiff(q, k, v, g, beta):
   return jnp.moveaxis(out, 1, 3).reshape(batch, count * size, heads, -1)[:, :length]
 
 
+# function -> (its lax.scan, ssmkit's function in a mode); both take `_inputs`' arrays.
+_FUNCTIONS: dict[str, tuple[Method, Callable[[str], Method]]] = {
+    "linear_attention": (_scan_linear_attention, lambda mode: lambda q, k, v, g: linear_attention(
+        q, k, v, g, mode=mode)),
+    "delta_rule": (_scan_delta_rule, lambda mode: lambda q, k, v, g, beta: delta_rule(
+        q, k, v, beta, g, mode=mode)),
+    "kda": (_scan_delta_rule, lambda mode: lambda q, k, v, g, beta: delta_rule(
+        q, k, v, beta, g, mode=mode)),
+    "generalized_delta_rule": (_scan_generalized_delta_rule, lambda mode: (
+        lambda q, k, v, g, a, b: generalized_delta_rule(q, k, v, a, b, g, mode=mode))),
+    "delta_product": (_scan_delta_product, lambda mode: lambda q, k, v, g, beta: delta_product(
+        q, k, v, beta, g, mode=mode)),
+}
+FUNCTIONS = tuple(_FUNCTIONS)
+NEWER = ("kda", "generalized_delta_rule", "delta_product")  # not run at the longest shape
+_PRODUCTS = 2  # delta_product's steps per token
+
+
 def _methods(function: str, shape: Shape) -> dict[str, Method]:
+  scan, ours = _FUNCTIONS[function]
+  methods = {SCAN: scan}
   if function == "linear_attention":
-    methods = {SCAN: _scan_linear_attention}
     if shape.batch * shape.heads * shape.length**2 * 4 <= _QUADRATIC_MAX_BYTES:
       methods[QUADRATIC] = _quadratic
     methods[CHUNKED_AUTODIFF] = _chunked_autodiff
-    ours = lambda mode: lambda q, k, v, g, beta: linear_attention(q, k, v, g, mode=mode)
-  else:
-    methods = {SCAN: _scan_delta_rule}
-    ours = lambda mode: lambda q, k, v, g, beta: delta_rule(q, k, v, beta, g, mode=mode)
   methods.update({f"ssmkit {mode}": ours(mode) for mode in MODES})
   return methods
 
 
-def _inputs(shape: Shape, key: Array) -> tuple[Array, ...]:
-  keys = jax.random.split(key, 6)
+def _inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], Array]:
+  """The function's inputs and the output weights w."""
+  keys = jax.random.split(key, 7)
   dims = (shape.batch, shape.length, shape.heads, shape.dim)
+  steps = (*dims[:2], _PRODUCTS, *dims[2:]) if function == "delta_product" else dims
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = jax.random.normal(keys[0], dims) / np.sqrt(shape.dim)
-  k = jax.random.normal(keys[1], dims)
-  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(keys[2], dims)
-  g = -jax.random.uniform(keys[3], dims[:3], minval=0.01, maxval=0.3)
-  beta = jax.random.uniform(keys[4], dims[:3])
+  k = unit(jax.random.normal(keys[1], steps))
+  v = jax.random.normal(keys[2], steps)
+  per_key = function in ("kda", "generalized_delta_rule")
+  g = -jax.random.uniform(keys[3], dims if per_key else dims[:3], minval=0.01, maxval=0.3)
+  beta = jax.random.uniform(keys[4], steps[:-1])
   w = jax.random.normal(keys[5], dims)
-  return q, k, v, g, beta, w
+  if function == "linear_attention":
+    return (q, k, v, g), w
+  if function == "generalized_delta_rule":
+    alpha = jax.random.uniform(keys[6], dims)
+    return (q, k, v, g, -k, k * alpha), w
+  return (q, k, v, g, beta), w
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +239,14 @@ class Result:
 
 
 def _bench(function: str, shape: Shape, repeats: int, key: Array) -> list[Result]:
-  q, k, v, g, beta, w = _inputs(shape, key)
-  args = (q, k, v, g, beta)
+  args, w = _inputs(function, shape, key)
+  count = len(args)
   compiled, reference = {}, None
   for name, method in _methods(function, shape).items():
     forward, _ = _timing.compile_timed(method, *args)
-    loss = lambda *a, method=method: jnp.sum(method(*a[:5]) * a[5])
-    gradient, compile_s = _timing.compile_timed(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args, w)
+    loss = lambda *a, method=method: jnp.sum(method(*a[:count]) * a[count])
+    gradient, compile_s = _timing.compile_timed(jax.grad(loss, argnums=tuple(range(count))),
+                                                *args, w)
     out = np.asarray(forward(*args))
     if reference is None:
       reference = out
@@ -208,9 +265,8 @@ def _bench(function: str, shape: Shape, repeats: int, key: Array) -> list[Result
   ]
 
 
-HEADERS = ("function", "shape", "method", "fwd ms", "fwd+bwd ms", "x lax.scan fwd+bwd",
-           "temp MiB", "x lax.scan temp", "compile s")
-FUNCTIONS = ("linear_attention", "delta_rule")
+HEADERS = ("function", "shape", "method", "fwd ms", "x lax.scan fwd", "fwd+bwd ms",
+           "x lax.scan fwd+bwd", "temp MiB", "x lax.scan temp", "compile s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +290,8 @@ def _rows(results: list[Result]) -> list[tuple[str, ...]]:
 
   return [
       (r.function, str(r.shape), r.method, _timing.significant(r.forward_s * 1e3),
-       _timing.significant(r.gradient_s * 1e3), f"{scan.gradient_s / r.gradient_s:.1f}",
-       *memory(r), f"{r.gradient_compile_s:.2f}")
+       f"{scan.forward_s / r.forward_s:.2f}", _timing.significant(r.gradient_s * 1e3),
+       f"{scan.gradient_s / r.gradient_s:.1f}", *memory(r), f"{r.gradient_compile_s:.2f}")
       for r in results
   ]
 
@@ -262,6 +318,22 @@ def criteria(results: list[Result], suite: Suite) -> list[tuple[bool, str]]:
       ratio = get(AUTO).gradient_temp_bytes / get(SCAN).gradient_temp_bytes
       found.append((ratio <= _MAX_MEMORY,
                     f"{function} auto fwd+bwd temp memory <= {_MAX_MEMORY}x {SCAN}'s ({ratio:.3f}x)"))
+  for function in NEWER:
+    auto, scan = at[function, suite.judged, AUTO], at[function, suite.judged, SCAN]
+    speedup = scan.gradient_s / auto.gradient_s
+    found.append((speedup >= _MIN_NEW_SPEEDUP,
+                  f"{function} auto fwd+bwd >= {_MIN_NEW_SPEEDUP:.0f}x faster than {SCAN} "
+                  f"({speedup:.1f}x)"))
+    if auto.gradient_temp_bytes is not None:
+      ratio = auto.gradient_temp_bytes / scan.gradient_temp_bytes
+      found.append((ratio <= _MAX_NEW_MEMORY, f"{function} auto fwd+bwd temp memory <= "
+                    f"{_MAX_NEW_MEMORY}x {SCAN}'s ({ratio:.3f}x)"))
+  if jax.default_backend() == "cpu":
+    for (function, shape, method), r in at.items():
+      if method == AUTO and function in ("linear_attention", "delta_rule"):
+        ratio = r.forward_s / at[function, shape, SCAN].forward_s
+        found.append((ratio <= _MAX_FORWARD_VS_SCAN, f"{function} auto fwd <= "
+                      f"{_MAX_FORWARD_VS_SCAN}x one plain {SCAN}'s at {shape} ({ratio:.3f}x)"))
   shape = suite.compile_shape
   ratio = la(AUTO, shape).gradient_compile_s / la(SCAN, shape).gradient_compile_s
   found.append((ratio <= _MAX_COMPILE_VS_SCAN,
@@ -284,13 +356,14 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   suite = SUITES[shapes]
   device = jax.devices()[0]
   print(
-      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32, one decay "
-      f"per head; median of {repeats} samples per time (fewer where they would take over "
-      f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x lax.scan: {SCAN}'s fwd+bwd time "
-      "(or temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function."
+      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+      f"{repeats} samples per time (fewer where they would take over "
+      f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x lax.scan: {SCAN}'s time (or "
+      "temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function."
   )
   print()
-  cases = [Case(function, shape) for shape in suite.shapes for function in FUNCTIONS]
+  cases = [Case(function, shape) for shape in suite.shapes for function in FUNCTIONS
+           if function not in NEWER or shape != suite.compile_shape]
   methods = [*_methods("linear_attention", suite.shapes[0]), *(f"ssmkit {m}" for m in MODES)]
   table = _timing.StreamedTable(
       HEADERS, [FUNCTIONS, [str(s) for s in suite.shapes], methods], markdown=markdown
@@ -305,7 +378,7 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
     print(_timing.SMALL_SHAPES_NOTE)
     return 0
   measured = {(r.function, r.shape) for r in results}
-  needed = {(f, s) for f in FUNCTIONS for s in (suite.judged,)} | {
+  needed = {(f, suite.judged) for f in FUNCTIONS} | {
       ("linear_attention", suite.compile_shape)}
   if not needed <= measured:
     print("Criteria: not judged, the budget skipped the shapes they need.")

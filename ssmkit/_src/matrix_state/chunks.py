@@ -11,6 +11,7 @@ nothing overflows and no product of decays underflows on the way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -134,44 +135,93 @@ def pairwise_decay(b: Array, causal: Array) -> Array:
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
-def per_key_scores(x: Array, y: Array, bx: Array, by: Array, precision,
-                   strict: bool = False) -> Array:
+# How far a block may decay, per float width, for its in-block scores to be one product of
+# factors exp(<= 0) and exp(< limit): exp(limit) is far from overflow.
+_FACTOR_LIMIT = {16: 6.0, 32: 60.0, 64: 480.0}
+
+
+def _leading(x: Array, count: int) -> Array:
+  """`x` behind `count` unit axes (broadcasting without rank promotion)."""
+  return x.reshape((1,) * count + x.shape)
+
+
+def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Array, precision,
+                   strict: bool = False) -> list[list[Array]]:
   """sum_d x_td y_sd exp(bx_td - by_sd) for s <= t (s < t if `strict`) inside each chunk.
 
   With one decay per key channel the decay does not factor out of the product, and
   scaling x by exp(bx) and y by exp(-by) would overflow. The chunk is split into blocks of
-  at most 16 steps. Between blocks (s in block j before block i) the decay factors at the
-  end r_j of block j into exp(bx_t - r_j) exp(r_j - by_s), both <= 1; inside a block the
-  decays are formed step pair by step pair, where s <= t (s < t).
+  at most 16 steps, block i entered at cumulative log-decay e_i (the end of block i - 1)
+  and left at r_i. Between blocks (s in block j before block i) the decay factors exactly
+  as exp(bx_t - e_i) exp(e_i - r_j) exp(r_j - by_s), each <= 1, and the scores are a
+  matrix product. Inside a block, exp(bx_t - e_i) exp(e_i - by_s) is a product too while
+  the block decays by less than `_FACTOR_LIMIT` (the second factor stays below exp of
+  that); otherwise the decays are formed step pair by step pair. The choice is made for
+  all the chunks at once, by value (`lax.cond`).
 
   Args:
-    x, y: `(Z, H, n, C, K)` rows of each chunk.
-    bx, by: `(Z, H, n, C, K)` cumulative log-decays of x's and y's steps; bx_t - by_s and
-      bx_t - r_j must be <= 0 wherever they are used (by = bx, or bx one step behind it
-      with `strict`).
+    xs, ys: `(Z, H, n, C, K)` rows of each chunk; every pair is scored.
+    bx, by: `(Z, H, n, C, K)` cumulative log-decays of the xs' and the ys' steps from the
+      chunk's start; bx_t - by_s and bx_t - e_i must be <= 0 wherever they are used (by =
+      bx, or bx one step behind it with `strict`).
     precision: matmul precision.
     strict: leave out s = t.
 
   Returns:
-    `(Z, H, n, C, C)` scores, zero for s > t (and s = t if `strict`).
+    `scores[a][b]` `(Z, H, n, C, C)` for xs[a] and ys[b], zero for s > t (and s = t if
+    `strict`).
   """
-  size = x.shape[3]
+  limit = _FACTOR_LIMIT[jnp.finfo(bx.dtype).bits]
+  lower = _leading(jnp.tril(jnp.ones(bx.shape[3:4] * 2, bool), -1 if strict else 0), 5)
+
+  def whole(_):  # the chunk decays by less than the limit: one product
+    x = jnp.stack(xs) * jnp.exp(bx)[None]
+    y = jnp.stack(ys) * jnp.exp(-by)[None]
+    scores = jnp.einsum("azhntd,bzhnsd->abzhnts", x, y, precision=precision)
+    return jnp.where(lower, scores, 0)
+
+  def blocked(_):  # one chunk at a time: the rare path keeps the common one's memory
+    time = lambda a: jnp.moveaxis(a, -3, 0)[:, ..., None, :, :]  # (n, ..., 1, C, K)
+    one = jax.checkpoint(lambda c: _blocked_scores(*c, precision, strict)[..., 0, :, :])
+    scores = lax.map(one, (tuple(map(time, xs)), tuple(map(time, ys)), time(bx), time(by)))
+    return jnp.moveaxis(scores, 0, -3)
+  scores = lax.cond(jnp.all(by[..., -1, :] > -limit), jax.checkpoint(whole),
+                    jax.checkpoint(blocked), None)
+  return [[scores[a, b] for b in range(len(ys))] for a in range(len(xs))]
+
+
+def _blocked_scores(xs, ys, bx, by, precision, strict):
+  """`per_key_scores` stacked `(A, B, Z, H, n, C, C)`, through blocks of at most 16 steps."""
+  size = bx.shape[3]
   sub = max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
   m = size // sub
-  shape = (*x.shape[:3], m, sub, x.shape[-1])
-  x, y, bx, by = (a.reshape(shape) for a in (x, y, bx, by))  # (Z, H, n, m, c, K)
-  r = by[:, :, :, :, -1]  # (Z, H, n, m, K)
-  later = (jnp.arange(m)[:, None] > jnp.arange(m)[None, :])[:, :, None, None]
-  diff = bx[:, :, :, :, None] - r[:, :, :, None, :, None]  # (Z, H, n, i, j, c, K)
-  x_scaled = x[:, :, :, :, None] * jnp.exp(jnp.where(later[None, None, None], diff, -jnp.inf))
-  y_scaled = y * jnp.exp(r[:, :, :, :, None] - by)
-  between = jnp.einsum("zhnijtd,zhnjsd->zhnitjs", x_scaled, y_scaled, precision=precision)
-  lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[:, :, None]  # (t, s, K)
-  inside = bx[:, :, :, :, :, None] - by[:, :, :, :, None, :]  # (Z, H, n, m, t, s, K)
-  inside = jnp.exp(jnp.where(lower, inside, -jnp.inf))
-  within = jnp.sum(x[:, :, :, :, :, None] * y[:, :, :, :, None] * inside, axis=-1)
-  scores = between + jnp.einsum("zhnits,ij->zhnitjs", within, jnp.eye(m, dtype=within.dtype))
-  return scores.reshape((*scores.shape[:3], size, size))
+  blocks = lambda a: a.reshape((*a.shape[:-2], m, sub, a.shape[-1]))  # (..., n, m, c, K)
+  x, y, bx, by = blocks(jnp.stack(xs)), blocks(jnp.stack(ys)), blocks(bx), blocks(by)
+  leave = by[..., -1, :]  # (Z, H, n, m, K): r_i
+  enter = jnp.concatenate([jnp.zeros_like(leave[..., :1, :]), leave[..., :-1, :]], axis=-2)
+  x_hat = x * jnp.exp(bx - enter[..., None, :])[None]  # (A, Z, H, n, m, c, K)
+  later = _leading(jnp.arange(m)[:, None] > jnp.arange(m)[None, :], 3)[..., None]  # (i, j, K)
+  across = jnp.exp(jnp.where(later, enter[..., :, None, :] - leave[..., None, :, :], -jnp.inf))
+  between = jnp.einsum("azhnijtd,bzhnjsd->abzhnitjs",
+                       x_hat[..., :, None, :, :] * across[None, ..., :, :, None, :],
+                       y * jnp.exp(leave[..., None, :] - by)[None], precision=precision)
+  lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)  # (t, s)
+
+  def factored(_):
+    near = y * jnp.exp(enter[..., None, :] - by)[None]  # <= exp(enter - leave) < exp(limit)
+    scores = jnp.einsum("azhnmtd,bzhnmsd->abzhnmts", x_hat, near, precision=precision)
+    return jnp.where(_leading(lower, 6), scores, 0)
+
+  def pairwise(_):
+    inside = jnp.exp(jnp.where(_leading(lower, 4)[..., None],
+                               bx[..., :, None, :] - by[..., None, :, :], -jnp.inf))
+    return jnp.sum(x[:, None, ..., :, None, :] * y[None, :, ..., None, :, :] * inside[None, None],
+                   axis=-1)  # (A, B, Z, H, n, m, t, s)
+
+  limit = _FACTOR_LIMIT[jnp.finfo(bx.dtype).bits]
+  within = lax.cond(jnp.all(enter - leave < limit), factored, pairwise, None)
+  scores = between + jnp.einsum("...its,ij->...itjs", within, jnp.eye(m, dtype=within.dtype))
+  return scores.reshape((*scores.shape[:5], size, size))
 
 
 def masked(x: Array, mask: Array | None) -> Array:

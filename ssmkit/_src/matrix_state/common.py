@@ -18,7 +18,8 @@ from ssmkit._src.modes import Mode, resolve_matrix_mode
 Array = jax.Array
 DEFAULT_CHUNK_SIZE = 64
 
-Sequential = Callable[[Inputs, int, object], tuple[Array, Array]]
+# sequential(inputs, steps per rematerialised group or None, precision) -> (outputs, final)
+Sequential = Callable[[Inputs, int | None, object], tuple[Array, Array]]
 # chunk_maps(chunks, precision) -> (chunk-first maps, outputs from the entering states)
 ChunkMaps = Callable[[chunks.Chunks, object],
                      tuple[state_pass.Maps, Callable[[Array], Array]]]
@@ -188,10 +189,10 @@ def evaluate(
                                                 axis_name=axis_name, precision=precision)
     x = x._replace(state=entering)
 
-  def run(x: Inputs, mode: Mode) -> tuple[Array, Array]:
+  def run(x: Inputs, mode: Mode, differentiated: bool = True) -> tuple[Array, Array]:
     match mode:
       case Mode.SEQUENTIAL:
-        return sequential(x, size, precision)
+        return sequential(x, size if differentiated else None, precision)
       case Mode.CHUNKED:
         return _loop(x, chunk_maps, size, matrix, precision)
       case _:
@@ -200,7 +201,8 @@ def evaluate(
   if plan.forward is plan.derivatives:
     out, last = run(x, plan.forward)
   else:
-    out, last = _differentiated_by(functools.partial(run, mode=plan.forward),
+    out, last = _differentiated_by(functools.partial(run, mode=plan.forward,
+                                                     differentiated=False),
                                    functools.partial(run, mode=plan.derivatives), x)
   return out, last if final is None else final
 

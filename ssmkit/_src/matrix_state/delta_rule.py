@@ -30,7 +30,7 @@ def _step(precision):
   return step
 
 
-def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
+def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
              for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
   out, final = steps.run(_step(precision), xs, x.state, size)
@@ -75,8 +75,9 @@ def _chunk_maps(c: chunks.Chunks, precision):
   else:  # one decay per key channel: the decays scale the rows of S, M's diagonal
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
-    interact = jnp.where(seg.strict, chunks.per_key_scores(k, k, b, b, precision), 0)
-    weights = jnp.where(seg.causal, chunks.per_key_scores(q, k, b, b, precision), 0)
+    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision)
+    interact = jnp.where(seg.strict, kk, 0)
+    weights = jnp.where(seg.causal, qk, 0)
     k_in = k * jnp.exp(b)
     q_in = q * jnp.exp(b)
     k_out = k * jnp.exp(total[:, :, :, None] - b)

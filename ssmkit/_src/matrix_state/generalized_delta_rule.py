@@ -30,7 +30,7 @@ def _step(precision):
   return step
 
 
-def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
+def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
              for a in (x.q, x.k, x.v, x.a, x.b, x.log_decay, x.reset))
   out, final = steps.run(_step(precision), xs, x.state, size)
@@ -60,23 +60,22 @@ def _chunk_maps(c: chunks.Chunks, precision):
   after = chunks.cumulative(g)
   before = after - g
   total = after[:, :, :, -1:]
-  strict = lambda x, y: jnp.where(seg.strict, chunks.per_key_scores(
-      x, y, before, after, precision, strict=True), 0)
-  causal = lambda x, y: jnp.where(seg.causal, chunks.per_key_scores(
-      x, y, after, after, precision), 0)
+  ((ab, ak),) = chunks.per_key_scores((a,), (b, k), before, after, precision, strict=True)
+  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision)
+  ab, ak = (jnp.where(seg.strict, x, 0) for x in (ab, ak))
+  qb, qk = (jnp.where(seg.causal, x, 0) for x in (qb, qk))
   mix = lambda s, x: jnp.einsum("zhncs,zhnse->zhnce", s, x, precision=precision)
   outer = lambda x, y: jnp.einsum("zhnsd,zhnse->zhnde", x, y, precision=precision)
-  rhs = jnp.concatenate([mix(strict(a, k), v), chunks.masked(a * jnp.exp(before), seg.first)],
+  rhs = jnp.concatenate([mix(ak, v), chunks.masked(a * jnp.exp(before), seg.first)],
                         axis=-1)  # (Z, H, n, C, V + K)
-  solved = triangular.unit_lower_solve(-strict(a, b), rhs, precision)
+  solved = triangular.unit_lower_solve(-ab, rhs, precision)
   dim_v = v.shape[-1]
   w, r = solved[..., :dim_v], solved[..., dim_v:]
   b_out, k_out = (chunks.masked(x * jnp.exp(total - after), seg.last) for x in (b, k))
   eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None, None]
   m = jnp.exp(total[:, :, :, 0])[..., None] * eye + outer(b_out, r)
   u = outer(b_out, w) + outer(k_out, v)
-  qb = causal(q, b)
-  intra = mix(qb, w) + mix(causal(q, k), v)
+  intra = mix(qb, w) + mix(qk, v)
   query = q * jnp.exp(after) + mix(qb, r)
   return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision)
 

@@ -28,7 +28,7 @@ def _step(precision):
   return step
 
 
-def _sequential(x: Inputs, size: int, precision) -> tuple[Array, Array]:
+def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
              for a in (x.q, x.k, x.v, x.log_decay, x.reset))
   out, final = steps.run(_step(precision), xs, x.state, size)
@@ -57,7 +57,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
       k_out = k * jnp.exp(total[..., None] - b)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      weights = jnp.where(seg.causal, chunks.per_key_scores(q, k, b, b, precision), 0)
+      weights = jnp.where(seg.causal, chunks.per_key_scores((q,), (k,), b, b, precision)[0][0], 0)
       q_in = q * jnp.exp(b)
       k_out = k * jnp.exp(total[:, :, :, None] - b)
       a = jnp.exp(total)[..., None]

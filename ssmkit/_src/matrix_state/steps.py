@@ -1,8 +1,9 @@
 """Step-by-step evaluation of a matrix-state recurrence: the decoding path and the reference.
 
-The steps run in one `lax.scan`. Past `size` steps they are grouped: an outer scan over
-groups keeps one state per group and the scan inside a group is rematerialised in the
-backward pass, so gradients hold T / size states instead of T.
+The steps run in one `lax.scan`. Where they will be differentiated, past `size` steps they
+are grouped: an outer scan over groups keeps one state per group and the scan inside a
+group is rematerialised in the backward pass, so gradients hold T / size states instead
+of T. Where only the values are wanted, one plain scan is the fastest.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def decayed(s: Array, g_t: Array | None) -> Array:
   return s * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])
 
 
-def run(step: Step, xs: Any, state: Array, size: int) -> tuple[Array, Array]:
+def run(step: Step, xs: Any, state: Array, size: int | None) -> tuple[Array, Array]:
   """Scans `step(state, x_t) -> (state, o_t)` over time-major `xs`; returns `(o, final)`.
 
   Args:
@@ -35,13 +36,14 @@ def run(step: Step, xs: Any, state: Array, size: int) -> tuple[Array, Array]:
       flag is False) must leave the state unchanged: the last group is padded with them.
     xs: pytree of time-major `(T, ...)` arrays.
     state: the state before the first step.
-    size: steps per rematerialised group.
+    size: steps per rematerialised group, or None for one scan (values only: its
+      gradient would keep every state).
   """
   length = jax.tree.leaves(xs)[0].shape[0]
   if length == 1:  # a decoding step: no loop at all
     final, out = step(state, jax.tree.map(lambda x: x[0], xs))
     return out[None], final
-  if length <= size:
+  if size is None or length <= size:
     final, out = lax.scan(step, state, xs)
     return out, final
   count = -(-length // size)
