@@ -158,7 +158,8 @@ def _equations(jaxpr):
 
 # The layers whose projections (outside the recurrence's own matrices) run in bfloat16 for
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
-PROJECTING = frozenset({"Mamba", "Mamba2", "GatedDeltaNet", "RGLRU", "MinGRU", "Attention"})
+PROJECTING = frozenset({"Mamba", "Mamba2", "GatedDeltaNet", "KimiDeltaAttention", "GatedDeltaProduct",
+                        "RGLRU", "MinGRU", "Attention"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -166,8 +167,12 @@ def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
   run = compiled.run(layer)
   y = run(params, X.astype(jnp.bfloat16), None)
   assert y.dtype == jnp.bfloat16
-  _assert_close(y.astype(jnp.float32), run(params, X.astype(jnp.bfloat16).astype(jnp.float32), None),
-                rtol=2e-2)
+  # In norm, not elementwise: a head whose output is near zero before its RMSNorm turns the
+  # rounding of bfloat16 projections into a large change of that step (KDA's step [1, 9] moves
+  # as much under a 2^-9 perturbation of its float32 weights).
+  expected = np.asarray(run(params, X.astype(jnp.bfloat16).astype(jnp.float32), None))
+  error = np.linalg.norm(np.asarray(y, np.float32) - expected) / np.linalg.norm(expected)
+  assert error < 2e-2, error
   products = lambda x: [eqn for eqn in _equations(jax.make_jaxpr(layer.apply)(params, x).jaxpr)
                         if eqn.primitive.name == "dot_general"]
   narrow = [eqn for eqn in products(X.astype(jnp.bfloat16))

@@ -1,9 +1,10 @@
-"""Mamba2, GatedDeltaNet, RGLRU and MinGRU against float64 NumPy loops written from their
-papers and reference modules (state-spaces/mamba `mamba2_simple.py` and `ssd_minimal.py`,
-flash-linear-attention `fla/layers/gated_deltanet.py`, recurrentgemma `jax/layers.py` and
-`jax/modules.py`, the minGRU paper's listings), and their initial parameters against the
-distributions those modules draw from. The shared contract (modes, steps, resets, streaming,
-gradients) is in test_layers.py."""
+"""Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct, RGLRU and MinGRU against float64 NumPy loops
+written from their papers and reference modules (state-spaces/mamba `mamba2_simple.py` and
+`ssd_minimal.py`, flash-linear-attention `fla/layers/gated_deltanet.py`, `kda.py` with
+`fla/ops/kda/naive.py`, `gated_deltaproduct.py` with `fla/ops/gated_delta_product/naive.py`,
+recurrentgemma `jax/layers.py` and `jax/modules.py`, the minGRU paper's listings), and their
+initial parameters against the distributions those modules draw from. The shared contract
+(modes, steps, resets, streaming, gradients) is in test_layers.py."""
 
 import jax
 import jax.numpy as jnp
@@ -349,3 +350,109 @@ def test_mingru_initialisation_is_pytorch_linear():
   assert np.std(params["z_proj"]) == pytest.approx(0.1 / np.sqrt(3), rel=0.03)
   assert np.abs(params["out_proj"]).max() <= 1 / np.sqrt(300)
   assert "out_proj" not in compiled.init(layers.MinGRU(), _x((4, 100)).shape, 19)["params"]
+
+
+def _l2norm(v):
+  return v / np.sqrt(np.sum(v**2, axis=-1, keepdims=True) + 1e-6)
+
+
+def _kda_reference(p, x, reset, *, num_heads, num_v_heads=None, allow_neg_eigval=False,
+                   lower_bound=None, eps=1e-5):
+  """fla's KimiDeltaAttention.forward with `naive_recurrent_kda`, one step at a time."""
+  v_heads = num_v_heads or num_heads
+  head_k = p["q_proj"].shape[1] // num_heads
+  head_v = p["v_proj"].shape[1] // v_heads
+  convs = [_Conv(p[name]) for name in ("q_conv", "k_conv", "v_conv")]
+  state = np.zeros((v_heads, head_k, head_v))
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      state = np.zeros_like(state)
+    q, k, v = (_silu(conv(x[t] @ p[name], reset[t]))
+               for conv, name in zip(convs, ("q_proj", "k_proj", "v_proj"), strict=True))
+    q = _l2norm(q.reshape(num_heads, head_k)) * head_k**-0.5
+    k = _l2norm(k.reshape(num_heads, head_k))
+    q, k = (np.stack([m[h // (v_heads // num_heads)] for h in range(v_heads)]) for m in (q, k))
+    v = v.reshape(v_heads, head_v)
+    beta = _sigmoid(x[t] @ p["b_proj"]) * (2 if allow_neg_eigval else 1)
+    f = (x[t] @ p["f_down"] @ p["f_up"] + p["dt_bias"]).reshape(v_heads, head_k)
+    a = np.exp(p["A_log"])[:, None]
+    g = -a * _softplus(f) if lower_bound is None else lower_bound * _sigmoid(a * f)
+    o = np.zeros((v_heads, head_v))
+    for h in range(v_heads):
+      state[h] = state[h] * np.exp(g[h])[:, None]
+      state[h] = state[h] + np.outer(beta[h] * k[h], v[h] - k[h] @ state[h])
+      o[h] = q[h] @ state[h]
+    gate = (x[t] @ p["g_down"] @ p["g_up"] + p["g_bias"]).reshape(v_heads, head_v)
+    o = _rms_norm(o, eps) * p["norm_scale"] * _sigmoid(gate)
+    ys.append(o.reshape(-1) @ p["o_proj"])
+  return np.stack(ys)
+
+
+@pytest.mark.parametrize("options", [dict(num_heads=2), dict(
+    num_heads=2, num_v_heads=4, allow_neg_eigval=True, lower_bound=-5.0)],
+                         ids=["default", "grouped-bounded"])
+def test_kimi_delta_attention_matches_the_reference_layer(options):
+  layer = layers.KimiDeltaAttention(d_state=3, d_conv=4, **options)
+  x, reset = _x((29, 6)), _resets(29)
+  params = compiled.init(layer, x.shape, 13)
+  expected = _kda_reference(_params64(params), np.asarray(x, np.float64), reset, **options)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
+
+
+def test_kimi_delta_attention_initialisation_follows_the_reference():
+  params = compiled.init(layers.KimiDeltaAttention(num_heads=64), _x((4, 256)).shape, 14)["params"]
+  a = np.exp(np.asarray(params["A_log"], np.float64))
+  assert a.min() >= 1 and a.max() <= 16 and np.mean(a) == pytest.approx(8.5, abs=1.5)
+  dt = np.asarray(jax.nn.softplus(params["dt_bias"]), np.float64)
+  assert params["dt_bias"].shape == (256,)  # one per key channel of each head
+  assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 1e-1 * (1 + 1e-4)
+  # The decay and the gate go through a bottleneck of V = H / num_heads channels.
+  assert params["f_down"].shape == (256, 4) and params["g_up"].shape == (4, 256)
+  bounded = compiled.init(layers.KimiDeltaAttention(num_heads=4, lower_bound=-5.0), (4, 8), 14)
+  assert np.all(np.asarray(bounded["params"]["A_log"]) == 0)
+  with pytest.raises(ValueError, match="`lower_bound` must be None or < 0"):
+    layers.KimiDeltaAttention(lower_bound=1.0).init(jax.random.key(0), _x((4, 8)))
+
+
+def _gated_deltaproduct_reference(p, x, reset, *, num_heads, num_householder, eps=1e-5):
+  """fla's GatedDeltaProduct.forward with `naive_recurrent_gated_delta_product`, one token at a
+  time (allow_neg_eigval: beta in (0, 2))."""
+  n = num_householder
+  head_k = p["q_proj"].shape[1] // num_heads
+  head_v = p["v_proj"].shape[1] // (n * num_heads)
+  convs = [_Conv(p[name]) for name in ("q_conv", "k_conv", "v_conv")]
+  state = np.zeros((num_heads, head_k, head_v))
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      state = np.zeros_like(state)
+    q, k, v = (_silu(conv(x[t] @ p[name], reset[t]))
+               for conv, name in zip(convs, ("q_proj", "k_proj", "v_proj"), strict=True))
+    q = _l2norm(q.reshape(num_heads, head_k)) * head_k**-0.5
+    k = _l2norm(k.reshape(n, num_heads, head_k))
+    v = v.reshape(n, num_heads, head_v)
+    beta = 2 * _sigmoid(x[t] @ p["b_proj"]).reshape(n, num_heads)
+    g = -np.exp(p["A_log"]) * _softplus(x[t] @ p["a_proj"] + p["dt_bias"])
+    o = np.zeros((num_heads, head_v))
+    for h in range(num_heads):
+      state[h] = state[h] * np.exp(g[h])
+      for j in range(n):
+        state[h] = state[h] + np.outer(k[j, h], (v[j, h] - k[j, h] @ state[h]) * beta[j, h])
+      o[h] = q[h] @ state[h]
+    gate = (x[t] @ p["g_proj"]).reshape(num_heads, head_v)
+    o = _rms_norm(o, eps) * p["norm_scale"] * _silu(gate)
+    ys.append(o.reshape(-1) @ p["o_proj"])
+  return np.stack(ys)
+
+
+def test_gated_deltaproduct_matches_the_reference_layer():
+  layer = layers.GatedDeltaProduct(num_heads=2, num_householder=3, d_state=3, d_conv=4)
+  x, reset = _x((29, 6)), _resets(29)
+  params = compiled.init(layer, x.shape, 13)
+  assert params["params"]["k_proj"].shape == (6, 18) and params["params"]["b_proj"].shape == (6, 6)
+  expected = _gated_deltaproduct_reference(_params64(params), np.asarray(x, np.float64), reset,
+                                           num_heads=2, num_householder=3)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)

@@ -4,6 +4,8 @@ from ssmkit._src.layers.attention import Attention, AttentionState
 from ssmkit._src.layers.block import MixerBlock, SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
+from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
+from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
@@ -22,6 +24,8 @@ __all__ = [
     "AttentionState",
     "ConvRecurrentState",
     "GatedDeltaNet",
+    "GatedDeltaProduct",
+    "KimiDeltaAttention",
     "Mamba",
     "Mamba2",
     "MinGRU",

@@ -10,51 +10,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ssmkit._src.layers import common, functional
+from ssmkit._src.layers import common, delta_heads, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
+from ssmkit._src.layers.convolution import ConvRecurrentState, zero_window
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
-from ssmkit._src.layers.norms import EPS, rms_norm
+from ssmkit._src.layers.norms import EPS
 from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
-# Added to the squared norm of q and k before the square root, as the reference's l2norm.
-L2_EPS = 1e-6
-
-
-def _sizes(cfg: Any, features: int) -> tuple[int, int]:
-  """(K, V): key and value channels per head."""
-  k = features // cfg.num_heads if cfg.d_state is None else cfg.d_state
-  return k, cfg.expand_v * k
-
-
-def _value_heads(cfg: Any) -> int:
-  """The heads of v, of the state and of the output: `num_v_heads`, or `num_heads`."""
-  return cfg.num_heads if cfg.num_v_heads is None else cfg.num_v_heads
-
 
 def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   """The parameters of a Gated DeltaNet layer over `features` channels, initialised as the reference."""
-  for name in ("num_heads", "expand_v", "d_conv"):
-    common.check_positive_int(getattr(cfg, name), name)
-  if cfg.d_state is None:
-    if features % cfg.num_heads:
-      raise ValueError(f"`num_heads`={cfg.num_heads} must divide the input width {features} when "
-                       "`d_state` is None.")
-  else:
-    common.check_positive_int(cfg.d_state, "d_state")
-  if cfg.num_v_heads is not None:
-    common.check_positive_int(cfg.num_v_heads, "num_v_heads")
-    if cfg.num_v_heads % cfg.num_heads:
-      raise ValueError(f"`num_v_heads`={cfg.num_v_heads} must be a multiple of `num_heads`="
-                       f"{cfg.num_heads}.")
-  if not cfg.norm_eps > 0:
-    raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
-  k, v = _sizes(cfg, features)
-  heads, v_heads = cfg.num_heads, _value_heads(cfg)
+  delta_heads.check_heads(cfg, features)
+  k, v = delta_heads.sizes(cfg, features)
+  heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   linear = lambda fan_in, fan_out: ParamSpec((fan_in, fan_out), uniform(fan_in**-0.5))
   conv = lambda width: ParamSpec((cfg.d_conv, width), uniform(cfg.d_conv**-0.5))
   return {
@@ -78,47 +50,34 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentSta
   """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and
   `(*batch, value heads, K, V)`."""
   *batch, features = input_shape
-  k, v = _sizes(cfg, features)
-  heads, v_heads = cfg.num_heads, _value_heads(cfg)
+  k, v = delta_heads.sizes(cfg, features)
+  heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, 2 * heads * k + v_heads * v),
                             jnp.zeros((*batch, v_heads, k, v), jnp.float32))
-
-
-def _unit(x: Array) -> Array:
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """Gated DeltaNet over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
-  k_dim, v_dim = _sizes(cfg, features)
-  heads, v_heads = cfg.num_heads, _value_heads(cfg)
+  k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
+  heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   xf = x.astype(accumulation_dtype(x.dtype))
   dtype = common.computation_dtype(x.dtype)
-  # q, k and v each have their own convolution: one convolution over the three side by side.
-  qkv = jnp.concatenate([common.project(x, params[name], dtype)
-                         for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
-  kernel = jnp.concatenate([params[name] for name in ("q_conv", "k_conv", "v_conv")], axis=-1)
-  qkv, window = causal_conv(qkv, kernel, None, state.conv, reset)
-  q, k, v = jnp.split(jax.nn.silu(qkv), [heads * k_dim, 2 * heads * k_dim], axis=-1)
-  by_head = lambda m, count: m.reshape(*m.shape[:-1], count, m.shape[-1] // count)
+  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
   # once and then repeated.
-  shared = lambda m: jnp.repeat(m, v_heads // heads, axis=-2)
-  q = shared(_unit(by_head(q, heads)) * k_dim**-0.5)
-  k = shared(_unit(by_head(k, heads)))
+  q, k = (delta_heads.shared_over_value_heads(delta_heads.unit(delta_heads.by_head(m, heads)),
+                                              heads, v_heads) for m in (q, k))
   beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
   step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
   g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
-  o, s = delta_rule(q, k, by_head(v, v_heads), beta, g, initial_state=state.recurrent,
-                    reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
-                    check_log_decay=False)
+  o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
+                    initial_state=state.recurrent, reset=reset, mode=mode,
+                    chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False)
   # The output gate after a per-head RMSNorm.
-  gate = by_head(common.project(x, params["g_proj"], dtype), v_heads)
-  o = rms_norm(o, params["norm_scale"], cfg.norm_eps) * jax.nn.silu(gate)
-  y = common.project(o.reshape(*o.shape[:-2], v_heads * v_dim), params["o_proj"], dtype)
+  gate = delta_heads.by_head(common.project(x, params["g_proj"], dtype), v_heads)
+  y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.silu, dtype)
   return y.astype(x.dtype), ConvRecurrentState(window, s)
 
 

@@ -15,6 +15,8 @@ from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import ACTIVATIONS, MLPS, NORMS
 from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
+from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
+from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
@@ -47,6 +49,8 @@ LAYERS: dict[str, Entry] = {
     "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3},)),
     "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3},)),
     "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
+    "kimi_delta_attention": Entry(KimiDeltaAttention, ({"num_heads": 2, "expand_v": 2, "d_conv": 3},)),
+    "gated_delta_product": Entry(GatedDeltaProduct, ({"num_heads": 2, "expand_v": 1, "d_conv": 3},)),
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
     "attention": Entry(Attention, (

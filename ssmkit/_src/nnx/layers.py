@@ -19,6 +19,8 @@ from flax import nnx
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.attention import Attention as _Attention
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet as _GatedDeltaNet
+from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct as _GatedDeltaProduct
+from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention as _KimiDeltaAttention
 from ssmkit._src.layers.lru import LRU as _LRU
 from ssmkit._src.layers.mamba import Mamba as _Mamba
 from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
@@ -172,5 +174,7 @@ S5 = front_end(_S5)
 Mamba = front_end(_Mamba)
 Mamba2 = front_end(_Mamba2)
 GatedDeltaNet = front_end(_GatedDeltaNet)
+GatedDeltaProduct = front_end(_GatedDeltaProduct)
+KimiDeltaAttention = front_end(_KimiDeltaAttention)
 RGLRU = front_end(_RGLRU)
 MinGRU = front_end(_MinGRU)

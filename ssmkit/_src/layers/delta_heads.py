@@ -1,0 +1,90 @@
+"""The heads of the delta-rule layers: convolved q, k, v projections, unit-length queries and
+keys shared over groups of value heads, and the gated per-head norm of the outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssmkit._src.layers import common
+from ssmkit._src.layers.convolution import causal_conv
+from ssmkit._src.layers.norms import rms_norm
+
+Array = jax.Array
+
+# Added to the squared norm of q and k before the square root, as flash-linear-attention's l2norm.
+L2_EPS = 1e-6
+
+
+def sizes(cfg: Any, features: int) -> tuple[int, int]:
+  """(K, V): key channels per head (`d_state`, or H / num_heads) and V = expand_v * K."""
+  k = features // cfg.num_heads if cfg.d_state is None else cfg.d_state
+  return k, cfg.expand_v * k
+
+
+def value_heads(cfg: Any) -> int:
+  """The heads of v, of the state and of the output: `num_v_heads`, or `num_heads`."""
+  return cfg.num_heads if cfg.num_v_heads is None else cfg.num_v_heads
+
+
+def check_heads(cfg: Any, features: int) -> None:
+  """Refuses head counts and sizes that do not fit `features` input channels, naming them."""
+  for name in ("num_heads", "expand_v", "d_conv"):
+    common.check_positive_int(getattr(cfg, name), name)
+  if cfg.d_state is None:
+    if features % cfg.num_heads:
+      raise ValueError(f"`num_heads`={cfg.num_heads} must divide the input width {features} when "
+                       "`d_state` is None.")
+  else:
+    common.check_positive_int(cfg.d_state, "d_state")
+  if cfg.num_v_heads is not None:
+    common.check_positive_int(cfg.num_v_heads, "num_v_heads")
+    if cfg.num_v_heads % cfg.num_heads:
+      raise ValueError(f"`num_v_heads`={cfg.num_v_heads} must be a multiple of `num_heads`="
+                       f"{cfg.num_heads}.")
+  if not cfg.norm_eps > 0:
+    raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
+
+
+def by_head(m: Array, count: int) -> Array:
+  """`(..., count * D)` -> `(..., count, D)`."""
+  return m.reshape(*m.shape[:-1], count, m.shape[-1] // count)
+
+
+def unit(x: Array) -> Array:
+  """`x` scaled to unit length along its last axis."""
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def convolved(params: dict[str, Array], x: Array, names: Sequence[str], window: Array,
+              reset: Array | None, dtype) -> tuple[list[Array], Array]:
+  """SiLU of the projections `params[name + "_proj"]` of `x`, each through its short causal
+  convolution `params[name + "_conv"]` (one convolution over all of them side by side).
+
+  Returns:
+    The convolved projections in the order of `names`, and the convolution's new window.
+  """
+  projected = [common.project(x, params[f"{name}_proj"], dtype) for name in names]
+  kernel = jnp.concatenate([params[f"{name}_conv"] for name in names], axis=-1)
+  out, window = causal_conv(jnp.concatenate(projected, axis=-1), kernel, None, window, reset)
+  edges = np.cumsum([p.shape[-1] for p in projected])[:-1]
+  return jnp.split(jax.nn.silu(out), edges, axis=-1), window
+
+
+def shared_over_value_heads(m: Array, heads: int, value_heads: int) -> Array:
+  """`(..., heads, K)` query or key heads repeated for their groups of value heads, each group
+  of value_heads / heads reading one, as flash-linear-attention's `repeat('... h d -> ... (h
+  g) d')`."""
+  return jnp.repeat(m, value_heads // heads, axis=-2)
+
+
+def gated_output(params: dict[str, Array], o: Array, gate: Array, eps: float,
+                 activation: Callable[[Array], Array], dtype) -> Array:
+  """`(..., heads, V)` outputs RMS-normalised per head, scaled by `norm_scale`, gated by
+  `activation(gate)` and projected by `o_proj`."""
+  o = rms_norm(o, params["norm_scale"], eps) * activation(gate)
+  return common.project(o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1]), params["o_proj"], dtype)
