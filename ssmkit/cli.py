@@ -39,7 +39,7 @@ _BENCHMARKS = {
     "sequence-parallel": ("ssmkit.bench.sequence_parallel", "linear_recurrence over time-split devices"),
     "linear-attention": (
         "ssmkit.bench.linear_attention",
-        "linear_attention and delta_rule per mode against lax.scan and quadratic attention",
+        "the matrix-state recurrences per mode against lax.scan (and quadratic attention)",
     ),
     "training": (
         "ssmkit.bench.training",
@@ -54,6 +54,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
   options = {"layers": args.layers} if args.benchmark == "layers" else {}
   if args.benchmark == "training":
     options = {"configs": args.configs}
+  if args.benchmark == "linear-attention":
+    options = {"functions": args.functions}
   return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown, **options)
 
 
@@ -97,6 +99,14 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
           "--layers", nargs="+", metavar="LAYER",
           help="only these layers, by class name (LRU, Mamba2, GatedDeltaNet, ...); the depth "
           "sweep runs when LRU is among them; default: every layer of the suite",
+      )
+    if name == "linear-attention":
+      from ssmkit.bench.linear_attention import FUNCTIONS
+
+      parser.add_argument(
+          "--functions", nargs="+", choices=FUNCTIONS, metavar="FUNCTION",
+          help=f"only these ({', '.join(FUNCTIONS)}); the criteria are judged when all run; "
+          "default: every one",
       )
     if name == "training":
       parser.add_argument(

@@ -6,6 +6,8 @@ import time
 import types
 
 import jax
+import numpy as np
+import pytest
 
 from ssmkit import cli
 from ssmkit.bench import _timing
@@ -166,15 +168,26 @@ def test_slow_cells_take_fewer_samples():
 
 
 def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys):
-  status = cli.main(["bench", "linear-attention", "--shapes", "small", "--repeats", "2"])
+  status = cli.main(["bench", "linear-attention", "--shapes", "small", "--repeats", "2",
+                     "--functions", "linear_attention", "delta_product"])
   out = capsys.readouterr().out
   assert status == 0
   for name in ("lax.scan", "quadratic", "chunked autodiff", "ssmkit auto", "ssmkit sequential",
                "ssmkit chunked", "ssmkit parallel"):
     assert f" {name} " in out
-  for function in ("linear_attention", "delta_rule"):
+  for function in ("linear_attention", "delta_product"):
     assert re.search(rf"^{function} +B=2 T=70 H=1 K=V=4 ", out, re.MULTILINE)
+  assert not re.search(r"^delta_rule ", out, re.MULTILINE)
   assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
+
+
+@pytest.mark.parametrize("function", la_bench.FUNCTIONS)
+def test_bench_linear_attention_baselines_compute_each_function(function):
+  """Each function's hand-written lax.scan equals ssmkit's on the bench's own inputs."""
+  args, _ = la_bench._inputs(function, la_bench.Shape(1, 6, 2, 3), jax.random.key(0))
+  methods = la_bench._methods(function, la_bench.Shape(1, 6, 2, 3))
+  np.testing.assert_allclose(methods["lax.scan"](*args), methods["ssmkit sequential"](*args),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_bench_linear_attention_criteria_judge_the_auto_rows(monkeypatch):

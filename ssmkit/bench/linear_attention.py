@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -342,13 +342,15 @@ def criteria(results: list[Result], suite: Suite) -> list[tuple[bool, str]]:
   return found
 
 
-def run(*, shapes: str, repeats: int, markdown: bool) -> int:
+def run(*, shapes: str, repeats: int, markdown: bool,
+        functions: Sequence[str] | None = None) -> int:
   """Runs the suite named `shapes`, printing each shape's rows as they are measured.
 
   Args:
     shapes: a key of `SUITES`: "full", or "small" for a run of a few seconds.
     repeats: timed samples per cell, the methods taking turns; the median is shown.
     markdown: print a GitHub markdown table.
+    functions: only these of `FUNCTIONS`; default every one.
 
   Returns:
     0, the exit status; a failed criterion is reported, not raised.
@@ -362,11 +364,12 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
       "temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function."
   )
   print()
-  cases = [Case(function, shape) for shape in suite.shapes for function in FUNCTIONS
+  functions = FUNCTIONS if functions is None else tuple(functions)
+  cases = [Case(function, shape) for shape in suite.shapes for function in functions
            if function not in NEWER or shape != suite.compile_shape]
   methods = [*_methods("linear_attention", suite.shapes[0]), *(f"ssmkit {m}" for m in MODES)]
   table = _timing.StreamedTable(
-      HEADERS, [FUNCTIONS, [str(s) for s in suite.shapes], methods], markdown=markdown
+      HEADERS, [functions, [str(s) for s in suite.shapes], methods], markdown=markdown
   )
   results = []
   for i, case in enumerate(_timing.within_budget(cases, "linear-attention")):
@@ -381,7 +384,8 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   needed = {(f, suite.judged) for f in FUNCTIONS} | {
       ("linear_attention", suite.compile_shape)}
   if not needed <= measured:
-    print("Criteria: not judged, the budget skipped the shapes they need.")
+    print("Criteria: not judged, the run left out cases they need (by --functions or the "
+          "budget).")
     return 0
   print("Criteria (auto mode):")
   for passed, text in criteria(results, suite):
