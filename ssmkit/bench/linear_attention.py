@@ -51,8 +51,9 @@ _MAX_COMPILE_VS_SCAN = 3.0  # gradient compile time at `Suite.compile_shape`
 _MIN_NEW_SPEEDUP = 5.0
 _MAX_NEW_MEMORY = 0.05
 # At every shape on CPU, linear_attention's and delta_rule's auto forward over one plain
-# lax.scan's: both run the same steps, so this allows the noise of interleaved medians.
-_MAX_FORWARD_VS_SCAN = 1.03
+# lax.scan's: both run the same steps; this allows the noise of interleaved medians (+-5% at
+# 30 repeats on a 2-core machine).
+_MAX_FORWARD_VS_SCAN = 1.05
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,8 +135,8 @@ def pairwise_decay(b: Array, causal: Array) -> Array:
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
-# How far a block may decay, per float width, for its in-block scores to be one product of
-# factors exp(<= 0) and exp(< limit): exp(limit) is far from overflow.
+# How far a chunk may decay, per float width, for its scores to be one product of factors
+# exp(<= 0) and exp(< limit): exp(limit) is far from overflow.
 _FACTOR_LIMIT = {16: 6.0, 32: 60.0, 64: 480.0}
 
 
@@ -150,14 +150,14 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
   """sum_d x_td y_sd exp(bx_td - by_sd) for s <= t (s < t if `strict`) inside each chunk.
 
   With one decay per key channel the decay does not factor out of the product, and
-  scaling x by exp(bx) and y by exp(-by) would overflow. The chunk is split into blocks of
-  at most 16 steps, block i entered at cumulative log-decay e_i (the end of block i - 1)
-  and left at r_i. Between blocks (s in block j before block i) the decay factors exactly
-  as exp(bx_t - e_i) exp(e_i - r_j) exp(r_j - by_s), each <= 1, and the scores are a
-  matrix product. Inside a block, exp(bx_t - e_i) exp(e_i - by_s) is a product too while
-  the block decays by less than `_FACTOR_LIMIT` (the second factor stays below exp of
-  that); otherwise the decays are formed step pair by step pair. The choice is made for
-  all the chunks at once, by value (`lax.cond`).
+  scaling x by exp(bx) and y by exp(-by) overflows once a chunk decays by more than about
+  88 nats (float32). Where every channel of every chunk decays by less than
+  `_FACTOR_LIMIT`, the scores are that one product (its factors stay below exp of the
+  limit); otherwise the chunk is split into blocks of at most 16 steps, block i entered at
+  cumulative log-decay e_i (the end of block i - 1): the steps before block i are scored
+  against it by one product of factors exp(bx_t - e_i) and exp(e_i - by_s), both <= 1,
+  and inside the block the decays are formed step pair by step pair. The choice is made
+  for all the chunks at once, by value (`lax.cond`).
 
   Args:
     xs, ys: `(Z, H, n, C, K)` rows of each chunk; every pair is scored.
@@ -180,48 +180,67 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
     scores = jnp.einsum("azhntd,bzhnsd->abzhnts", x, y, precision=precision)
     return jnp.where(lower, scores, 0)
 
-  def blocked(_):  # one chunk at a time: the rare path keeps the common one's memory
+  def pairwise(_):  # one chunk at a time: the rare path keeps the common ones' memory
     time = lambda a: jnp.moveaxis(a, -3, 0)[:, ..., None, :, :]  # (n, ..., 1, C, K)
-    one = jax.checkpoint(lambda c: _blocked_scores(*c, precision, strict)[..., 0, :, :])
+    one = jax.checkpoint(lambda c: _blocked_scores(*c, precision, strict, False)[..., 0, :, :])
     scores = lax.map(one, (tuple(map(time, xs)), tuple(map(time, ys)), time(bx), time(by)))
     return jnp.moveaxis(scores, 0, -3)
-  scores = lax.cond(jnp.all(by[..., -1, :] > -limit), jax.checkpoint(whole),
-                    jax.checkpoint(blocked), None)
+
+  blocks = lambda _: _blocked_scores(xs, ys, bx, by, precision, strict, True)
+  leave, enter = _block_edges(by)
+  path = jnp.where(jnp.all(by[..., -1, :] > -limit), 0,
+                   jnp.where(jnp.all(enter - leave < limit), 1, 2))
+  scores = lax.switch(path, [jax.checkpoint(f) for f in (whole, blocks, pairwise)], None)
   return [[scores[a, b] for b in range(len(ys))] for a in range(len(xs))]
 
 
-def _blocked_scores(xs, ys, bx, by, precision, strict):
-  """`per_key_scores` stacked `(A, B, Z, H, n, C, C)`, through blocks of at most 16 steps."""
+def _block_size(size: int) -> int:
+  """The largest divisor of a chunk of `size` steps that is at most 16."""
+  return max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
+
+
+def _block_edges(by: Array) -> tuple[Array, Array]:
+  """`(Z, H, n, m, K)` cumulative log-decays where each block of the chunks ends, r_i, and
+  where it starts, e_i = r_{i-1} (0 for the first)."""
+  sub = _block_size(by.shape[3])
+  leave = by[:, :, :, sub - 1::sub]
+  return leave, jnp.concatenate([jnp.zeros_like(leave[:, :, :, :1]), leave[:, :, :, :-1]], axis=3)
+
+
+def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
+  """`per_key_scores` stacked `(A, B, Z, H, n, C, C)`, through blocks of at most 16 steps;
+  inside a block as one product if `factored` (the block decays by less than the limit),
+  else step pair by step pair."""
   size = bx.shape[3]
-  sub = max(d for d in range(1, min(size, 16) + 1) if size % d == 0)
+  sub = _block_size(size)
   m = size // sub
-  blocks = lambda a: a.reshape((*a.shape[:-2], m, sub, a.shape[-1]))  # (..., n, m, c, K)
-  x, y, bx, by = blocks(jnp.stack(xs)), blocks(jnp.stack(ys)), blocks(bx), blocks(by)
-  leave = by[..., -1, :]  # (Z, H, n, m, K): r_i
-  enter = jnp.concatenate([jnp.zeros_like(leave[..., :1, :]), leave[..., :-1, :]], axis=-2)
-  x_hat = x * jnp.exp(bx - enter[..., None, :])[None]  # (A, Z, H, n, m, c, K)
-  later = _leading(jnp.arange(m)[:, None] > jnp.arange(m)[None, :], 3)[..., None]  # (i, j, K)
-  across = jnp.exp(jnp.where(later, enter[..., :, None, :] - leave[..., None, :, :], -jnp.inf))
-  between = jnp.einsum("azhnijtd,bzhnjsd->abzhnitjs",
-                       x_hat[..., :, None, :, :] * across[None, ..., :, :, None, :],
-                       y * jnp.exp(leave[..., None, :] - by)[None], precision=precision)
+  blocks = lambda a: a.reshape((*a.shape[:3], m, sub, a.shape[-1]))  # (Z, H, n, m, c, K)
+  _, enter = _block_edges(by)
+  # Block i's queries scaled by exp(bx_t - e_i), the keys before it by exp(e_i - by_s).
+  x_scale = jnp.exp(blocks(bx) - enter[:, :, :, :, None])  # (Z, H, n, m, c, K)
+  earlier = (jnp.arange(size)[None, :] < jnp.arange(0, size, sub)[:, None])[:, :, None]  # (m, C, K)
+  y_scale = jnp.exp(jnp.where(earlier, enter[:, :, :, :, None] - by[:, :, :, None], -jnp.inf))
   lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)  # (t, s)
+  if factored:  # exp(e_i - by_s) <= exp(e_i - r_i) < exp(limit) inside block i
+    y_near = jnp.exp(enter[:, :, :, :, None] - blocks(by))
+  else:
+    inside = jnp.exp(jnp.where(lower[:, :, None], blocks(bx)[..., :, None, :]
+                               - blocks(by)[..., None, :, :], -jnp.inf))  # (Z, H, n, m, t, s, K)
+  eye = jnp.eye(m, dtype=bx.dtype)
 
-  def factored(_):
-    near = y * jnp.exp(enter[..., None, :] - by)[None]  # <= exp(enter - leave) < exp(limit)
-    scores = jnp.einsum("azhnmtd,bzhnmsd->abzhnmts", x_hat, near, precision=precision)
-    return jnp.where(_leading(lower, 6), scores, 0)
+  def scores(x, y):
+    x_hat = blocks(x) * x_scale
+    between = jnp.einsum("zhnmtd,zhnmsd->zhnmts", x_hat, y[:, :, :, None] * y_scale,
+                         precision=precision)  # (Z, H, n, m, c, C)
+    if factored:
+      within = jnp.einsum("zhnmtd,zhnmsd->zhnmts", x_hat, blocks(y) * y_near, precision=precision)
+      within = jnp.where(lower, within, 0)
+    else:
+      within = jnp.sum(blocks(x)[..., :, None, :] * blocks(y)[..., None, :, :] * inside, axis=-1)
+    diagonal = jnp.einsum("zhnits,ij->zhnitjs", within, eye).reshape(between.shape)
+    return (between + diagonal).reshape((*x.shape[:3], size, size))
 
-  def pairwise(_):
-    inside = jnp.exp(jnp.where(_leading(lower, 4)[..., None],
-                               bx[..., :, None, :] - by[..., None, :, :], -jnp.inf))
-    return jnp.sum(x[:, None, ..., :, None, :] * y[None, :, ..., None, :, :] * inside[None, None],
-                   axis=-1)  # (A, B, Z, H, n, m, t, s)
-
-  limit = _FACTOR_LIMIT[jnp.finfo(bx.dtype).bits]
-  within = lax.cond(jnp.all(enter - leave < limit), factored, pairwise, None)
-  scores = between + jnp.einsum("...its,ij->...itjs", within, jnp.eye(m, dtype=within.dtype))
-  return scores.reshape((*scores.shape[:5], size, size))
+  return jnp.stack([jnp.stack([scores(x, y) for y in ys]) for x in xs])
 
 
 def masked(x: Array, mask: Array | None) -> Array:
