@@ -153,11 +153,12 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
   scaling x by exp(bx) and y by exp(-by) overflows once a chunk decays by more than about
   88 nats (float32). Where every channel of every chunk decays by less than
   `_FACTOR_LIMIT`, the scores are that one product (its factors stay below exp of the
-  limit); otherwise the chunk is split into blocks of at most 16 steps, block i entered at
-  cumulative log-decay e_i (the end of block i - 1): the steps before block i are scored
-  against it by one product of factors exp(bx_t - e_i) and exp(e_i - by_s), both <= 1,
-  and inside the block the decays are formed step pair by step pair. The choice is made
-  for all the chunks at once, by value (`lax.cond`).
+  limit). Otherwise the chunks are split into blocks of at most 16 steps, block i entered at
+  cumulative log-decay e_i: the steps before block i are scored against it by one product
+  of factors exp(bx_t - e_i) and exp(e_i - by_s), both <= 1, and inside the block by one
+  product too while every block decays by less than the limit, else step pair by step pair
+  (one chunk at a time). The choice is made for all the chunks at once, by value
+  (`lax.switch`).
 
   Args:
     xs, ys: `(Z, H, n, C, K)` rows of each chunk; every pair is scored.
