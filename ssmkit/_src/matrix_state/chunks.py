@@ -135,9 +135,9 @@ def pairwise_decay(b: Array, causal: Array) -> Array:
   return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
-# How far a chunk may decay, per float width, for its scores to be one product of factors
-# exp(<= 0) and exp(< limit): exp(limit) is far from overflow.
-_FACTOR_LIMIT = {16: 6.0, 32: 60.0, 64: 480.0}
+# How far a chunk may decay, per width of the accumulation dtype, for its scores to be one
+# product of factors exp(<= 0) and exp(< limit): exp(limit) is far from overflow.
+_FACTOR_LIMIT = {32: 60.0, 64: 480.0}
 
 
 def _leading(x: Array, count: int) -> Array:
