@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers import common
-from ssmkit._src.layers.convolution import causal_conv
+from ssmkit._src.layers.convolution import ConvRecurrentState, causal_conv, zero_window
 from ssmkit._src.layers.norms import rms_norm
+from ssmkit._src.linear_recurrence import accumulation_dtype
 
 Array = jax.Array
 
@@ -48,6 +49,25 @@ def check_heads(cfg: Any, features: int) -> None:
                        f"{cfg.num_heads}.")
   if not cfg.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
+
+
+def zero_state(cfg: Any, input_shape: tuple[int, ...], steps: int = 1) -> ConvRecurrentState:
+  """The zero state for inputs `(*batch, H)`: the convolution window of q and of `steps` keys
+  and values per token, and the `(*batch, value heads, K, V)` matrix state."""
+  *batch, features = input_shape
+  k, v = sizes(cfg, features)
+  heads, v_heads = cfg.num_heads, value_heads(cfg)
+  width = heads * k + steps * (heads * k + v_heads * v)
+  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, width),
+                            jnp.zeros((*batch, v_heads, k, v), jnp.float32))
+
+
+def head_decay(params: dict[str, Array], x: Array) -> Array:
+  """Mamba-2's decay, one per value head: -exp(A_log) softplus(W_a x + dt_bias) for inputs
+  `(..., T, H)`, in the accumulation dtype."""
+  xf = x.astype(accumulation_dtype(x.dtype))
+  step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
+  return -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
 
 
 def by_head(m: Array, count: int) -> Array:

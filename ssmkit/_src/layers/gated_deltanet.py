@@ -12,10 +12,9 @@ import jax.numpy as jnp
 
 from ssmkit._src.layers import common, delta_heads, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.convolution import ConvRecurrentState, zero_window
+from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import EPS
-from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.modes import Mode
 
@@ -46,23 +45,12 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   }
 
 
-def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
-  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and
-  `(*batch, value heads, K, V)`."""
-  *batch, features = input_shape
-  k, v = delta_heads.sizes(cfg, features)
-  heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
-  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, 2 * heads * k + v_heads * v),
-                            jnp.zeros((*batch, v_heads, k, v), jnp.float32))
-
-
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """Gated DeltaNet over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  state = functional.starting_state(initialize_state, cfg, x, initial_state)
+  state = functional.starting_state(delta_heads.zero_state, cfg, x, initial_state)
   k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
   heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
-  xf = x.astype(accumulation_dtype(x.dtype))
   dtype = common.computation_dtype(x.dtype)
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
@@ -70,8 +58,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   q, k = (delta_heads.shared_over_value_heads(delta_heads.unit(delta_heads.by_head(m, heads)),
                                               heads, v_heads) for m in (q, k))
   beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
-  step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
-  g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
+  g = delta_heads.head_decay(params, x)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
                     initial_state=state.recurrent, reset=reset, mode=mode,
                     chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False)
@@ -134,4 +121,4 @@ class GatedDeltaNet(functional.LinenLayer):
 
   # As in the reference: the decay's parameters and the norm without weight decay.
   parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "norm_scale"}))
-  maths = functional.Maths(param_specs, sequence, step, initialize_state)
+  maths = functional.Maths(param_specs, sequence, step, delta_heads.zero_state)

@@ -11,10 +11,9 @@ import jax.numpy as jnp
 
 from ssmkit._src.layers import common, delta_heads, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.convolution import ConvRecurrentState, zero_window
+from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import EPS
-from ssmkit._src.linear_recurrence import accumulation_dtype
 from ssmkit._src.matrix_state.delta_product import delta_product
 from ssmkit._src.modes import Mode
 
@@ -47,14 +46,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
 
 
 def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
-  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and
+  """The zero state for inputs `(*batch, H)`: the window of q and the n keys and values, and
   `(*batch, value heads, K, V)`."""
-  *batch, features = input_shape
-  k, v = delta_heads.sizes(cfg, features)
-  n, heads, v_heads = cfg.num_householder, cfg.num_heads, delta_heads.value_heads(cfg)
-  width = heads * k + n * (heads * k + v_heads * v)
-  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, width),
-                            jnp.zeros((*batch, v_heads, k, v), jnp.float32))
+  return delta_heads.zero_state(cfg, input_shape, cfg.num_householder)
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
@@ -71,9 +65,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
   if cfg.allow_neg_eigval:
     beta = 2 * beta
-  xf = x.astype(accumulation_dtype(x.dtype))
-  step_size = jax.nn.softplus(xf @ params["a_proj"] + common.leading_ones(params["dt_bias"], xf.ndim))
-  g = -common.leading_ones(jnp.exp(params["A_log"]), xf.ndim) * step_size
+  g = delta_heads.head_decay(params, x)
   o, s = delta_product(shared(delta_heads.by_head(q, heads)) * k_dim**-0.5, shared(steps(k, heads)),
                        steps(v, v_heads), delta_heads.by_head(beta, n), g,
                        initial_state=state.recurrent, reset=reset, mode=mode,

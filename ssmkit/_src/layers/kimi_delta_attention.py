@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ssmkit._src.layers import common, delta_heads, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.convolution import ConvRecurrentState, zero_window
+from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.initializers import a_log_init, dt_bias_init, uniform
 from ssmkit._src.layers.norms import EPS
 from ssmkit._src.linear_recurrence import accumulation_dtype
@@ -52,16 +52,6 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   }
 
 
-def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
-  """The zero state for inputs `(*batch, H)`: the window of (q, k, v), and
-  `(*batch, value heads, K, V)`."""
-  *batch, features = input_shape
-  k, v = delta_heads.sizes(cfg, features)
-  heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
-  return ConvRecurrentState(zero_window(tuple(batch), cfg.d_conv, 2 * heads * k + v_heads * v),
-                            jnp.zeros((*batch, v_heads, k, v), jnp.float32))
-
-
 def log_decay(cfg: Any, params: dict[str, Array], x: Array) -> Array:
   """g `(..., T, value heads, K)` of inputs `(..., T, H)`, in the accumulation dtype:
   -exp(A_log) softplus(f + dt_bias), or lower_bound sigmoid(exp(A_log) (f + dt_bias))."""
@@ -78,7 +68,7 @@ def log_decay(cfg: Any, params: dict[str, Array], x: Array) -> Array:
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
   """KDA over `(..., T, H)` inputs: `(y, state after the last step)`."""
-  state = functional.starting_state(initialize_state, cfg, x, initial_state)
+  state = functional.starting_state(delta_heads.zero_state, cfg, x, initial_state)
   k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
   heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   dtype = common.computation_dtype(x.dtype)
@@ -154,4 +144,4 @@ class KimiDeltaAttention(functional.LinenLayer):
   param_dtype: jnp.dtype = jnp.float32
 
   parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "norm_scale"}))
-  maths = functional.Maths(param_specs, sequence, step, initialize_state)
+  maths = functional.Maths(param_specs, sequence, step, delta_heads.zero_state)
