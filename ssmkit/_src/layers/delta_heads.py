@@ -1,5 +1,7 @@
-"""The heads of the delta-rule layers: convolved q, k, v projections, unit-length queries and
-keys shared over groups of value heads, and the gated per-head norm of the outputs."""
+"""What the delta-rule layers (Gated DeltaNet, KDA, Gated DeltaProduct) share: their head sizes
+and checks, the zero state, convolved q, k, v projections, unit-length queries and keys
+shared over groups of value heads, Mamba-2's per-head decay, and the gated per-head norm of
+the outputs."""
 
 from __future__ import annotations
 
