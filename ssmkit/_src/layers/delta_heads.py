@@ -97,11 +97,18 @@ def convolved(params: dict[str, Array], x: Array, names: Sequence[str], window: 
   return jnp.split(jax.nn.silu(out), edges, axis=-1), window
 
 
-def shared_over_value_heads(m: Array, heads: int, value_heads: int) -> Array:
-  """`(..., heads, K)` query or key heads repeated for their groups of value heads, each group
-  of value_heads / heads reading one, as flash-linear-attention's `repeat('... h d -> ... (h
-  g) d')`."""
-  return jnp.repeat(m, value_heads // heads, axis=-2)
+def unit_heads(m: Array, heads: int, value_heads: int) -> Array:
+  """`(..., heads, K)` query or key heads scaled to unit length, then repeated for their groups
+  of value heads, each group of value_heads / heads reading one, as flash-linear-attention's
+  `repeat('... h d -> ... (h g) d')`: normalised once per head."""
+  return jnp.repeat(unit(m), value_heads // heads, axis=-2)
+
+
+def write_strength(params: dict[str, Array], x: Array, dtype, reflect: bool = False) -> Array:
+  """beta = sigmoid(W_beta x) in (0, 1), or 2 sigmoid(W_beta x) in (0, 2) with `reflect` (the
+  delta rule's transition may then reflect: negative eigenvalues)."""
+  beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
+  return 2 * beta if reflect else beta
 
 
 def gated_output(params: dict[str, Array], o: Array, gate: Array, eps: float,

@@ -55,9 +55,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
   # once and then repeated.
-  q, k = (delta_heads.shared_over_value_heads(delta_heads.unit(delta_heads.by_head(m, heads)),
-                                              heads, v_heads) for m in (q, k))
-  beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
+  q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
+  beta = delta_heads.write_strength(params, x, dtype)
   g = delta_heads.head_decay(params, x)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
                     initial_state=state.recurrent, reset=reset, mode=mode,

@@ -61,10 +61,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
   # The n keys, values and strengths of a token are laid out step-major: (n, heads, channels).
   steps = lambda m, count: delta_heads.by_head(delta_heads.by_head(m, n), count)
-  shared = lambda m: delta_heads.shared_over_value_heads(delta_heads.unit(m), heads, v_heads)
-  beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
-  if cfg.allow_neg_eigval:
-    beta = 2 * beta
+  shared = lambda m: delta_heads.unit_heads(m, heads, v_heads)
+  beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   g = delta_heads.head_decay(params, x)
   o, s = delta_product(shared(delta_heads.by_head(q, heads)) * k_dim**-0.5, shared(steps(k, heads)),
                        steps(v, v_heads), delta_heads.by_head(beta, n), g,

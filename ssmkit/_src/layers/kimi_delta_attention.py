@@ -73,11 +73,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   dtype = common.computation_dtype(x.dtype)
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
-  q, k = (delta_heads.shared_over_value_heads(delta_heads.unit(delta_heads.by_head(m, heads)),
-                                              heads, v_heads) for m in (q, k))
-  beta = jax.nn.sigmoid(common.project(x, params["b_proj"], dtype))
-  if cfg.allow_neg_eigval:
-    beta = 2 * beta
+  q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
+  beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta,
                     log_decay(cfg, params, x), initial_state=state.recurrent, reset=reset,
                     mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,

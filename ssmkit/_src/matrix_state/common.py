@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src.engine import vary_alike
+from ssmkit._src import checks
+from ssmkit._src.engine import axis_position, vary_alike
 from ssmkit._src.matrix_state import chunks, state_pass
-from ssmkit._src.matrix_state.inputs import FLOATS, Inputs
-from ssmkit._src.modes import Mode, resolve_matrix_mode
+from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
+from ssmkit._src.modes import Mode, parse_mode, resolve_matrix_mode
 
 Array = jax.Array
 DEFAULT_CHUNK_SIZE = 64
@@ -163,6 +164,15 @@ def _device_map(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, tree:
   return lax.scan(body, map_of(starts[0]), starts[1:])[0]
 
 
+def check_options(mode: str | Mode, chunk_size: int | None, axis_name: Hashable | None) -> Mode:
+  """The parsed `mode`, after refusing a bad `mode`, `chunk_size` or `axis_name` by name."""
+  mode = parse_mode(mode)
+  checks.check_chunk_size(chunk_size)
+  if axis_name is not None:
+    axis_position(axis_name)
+  return mode
+
+
 def evaluate(
     x: Inputs,
     sequential: Sequential,
@@ -173,11 +183,13 @@ def evaluate(
     chunk_size: int | None,
     axis_name: Hashable | None,
     precision,
-) -> tuple[Array, Array]:
-  """Runs the recurrence in `mode`; returns `(Z, T, H, V)` outputs and the final state."""
+    return_final_state: bool,
+):
+  """Runs the recurrence in `mode`: the outputs in the public layout, and with
+  `return_final_state` the final state (`inputs.finish`)."""
   length = x.q.shape[1]
   if length == 0:
-    return x.v, x.state
+    return finish(x, x.v, x.state, return_final_state)
   plan = resolve_matrix_mode(mode, length)
   size = min(chunk_size or DEFAULT_CHUNK_SIZE, length)
   final = None
@@ -204,7 +216,7 @@ def evaluate(
     out, last = _differentiated_by(functools.partial(run, mode=plan.forward,
                                                      differentiated=False),
                                    functools.partial(run, mode=plan.derivatives), x)
-  return out, last if final is None else final
+  return finish(x, out, last if final is None else final, return_final_state)
 
 
 def _differentiated_by(values: Callable[[Inputs], Any], derivatives: Callable[[Inputs], Any],

@@ -8,11 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src import checks
-from ssmkit._src.engine import axis_position
 from ssmkit._src.matrix_state import chunks, common, steps, triangular
-from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
-from ssmkit._src.modes import Mode, parse_mode
+from ssmkit._src.matrix_state.inputs import Inputs, prepare
+from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
@@ -176,13 +174,9 @@ def delta_rule(
     length", NeurIPS 2024; Yang, Kautz & Hatamizadeh, "Gated delta networks", ICLR 2025;
     Kimi Team, "Kimi Linear: an expressive, efficient attention architecture", 2025.
   """
-  mode = parse_mode(mode)
-  checks.check_chunk_size(chunk_size)
-  if axis_name is not None:
-    axis_position(axis_name)
+  mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, per_key_decay=True, check_log_decay=check_log_decay)
-  out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
-                               chunk_size=chunk_size, axis_name=axis_name,
-                               precision=precision)
-  return finish(x, out, final, return_final_state)
+              reset=reset, check_log_decay=check_log_decay)
+  return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
+                         chunk_size=chunk_size, axis_name=axis_name, precision=precision,
+                         return_final_state=return_final_state)

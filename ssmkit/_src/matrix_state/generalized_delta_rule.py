@@ -8,11 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src import checks
-from ssmkit._src.engine import axis_position
 from ssmkit._src.matrix_state import chunks, common, steps, triangular
-from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
-from ssmkit._src.modes import Mode, parse_mode
+from ssmkit._src.matrix_state.inputs import Inputs, prepare
+from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
@@ -160,15 +158,11 @@ def generalized_delta_rule(
     Peng et al., "RWKV-7 'Goose' with expressive dynamic state evolution", 2025;
     flash-linear-attention, `fla/ops/generalized_delta_rule/dplr/naive.py`.
   """
-  mode = parse_mode(mode)
-  checks.check_chunk_size(chunk_size)
-  if axis_name is not None:
-    axis_position(axis_name)
+  mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
-              reset=reset, per_key_decay=True, check_log_decay=check_log_decay, a=a, b=b)
+              reset=reset, check_log_decay=check_log_decay, a=a, b=b)
   if x.a is None or x.b is None:
     raise ValueError("`a` and `b` must be arrays `(..., T, H, K)`, got None.")
-  out, final = common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
-                               chunk_size=chunk_size, axis_name=axis_name,
-                               precision=precision)
-  return finish(x, out, final, return_final_state)
+  return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
+                         chunk_size=chunk_size, axis_name=axis_name, precision=precision,
+                         return_final_state=return_final_state)

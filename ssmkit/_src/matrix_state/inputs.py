@@ -81,7 +81,6 @@ def prepare(
     beta,
     initial_state,
     reset,
-    per_key_decay: bool,
     check_log_decay: bool,
     a=None,
     b=None,
@@ -91,7 +90,6 @@ def prepare(
   Args:
     q, k, v, log_decay, beta, initial_state, reset, a, b: the public arguments (`beta`
       None but for the delta rule, `a` and `b` but for the generalized one).
-    per_key_decay: whether `(..., T, H, K)` decays are accepted besides `(..., T, H)`.
     check_log_decay: whether to refuse a positive or non-finite `log_decay` known at trace
       time.
 
@@ -115,11 +113,9 @@ def prepare(
   dtypes = [q.dtype, k.dtype, v.dtype]
   if log_decay is not None:
     log_decay = checks.real_floating(log_decay, "log_decay")
-    shapes = [step_shape, q.shape] if per_key_decay else [step_shape]
-    if log_decay.shape not in shapes:
-      accepted = " or ".join(str(s) for s in shapes)
-      what = "(..., T, H) or (..., T, H, K)" if per_key_decay else "(..., T, H)"
-      raise ValueError(f"`log_decay` must be {what}: {accepted}, got {log_decay.shape}.")
+    if log_decay.shape not in (step_shape, q.shape):
+      raise ValueError(f"`log_decay` must be (..., T, H) or (..., T, H, K): {step_shape} or "
+                       f"{q.shape}, got {log_decay.shape}.")
     if check_log_decay:
       _check_log_decay_values(log_decay)
     dtypes.append(log_decay.dtype)
