@@ -234,14 +234,28 @@ def test_nan_or_inf_before_a_reset_never_reaches_gradients_after_it(kind, name):
       _assert_close(got[kept], want[kept], 1e-8)
 
 
-def _loss(f, x, names):
-  """sum(sin(o)) + sum(S_T^2) as a function of the inputs `names`."""
+def _loss(f, names):
+  """sum(sin(o)) + sum(S_T^2) as a function `(values, x)` of the inputs `names` (their values
+  in that order) and the other inputs `x`."""
 
-  def loss(*values):
+  def loss(values, x):
     out, final = f(dict(x, **dict(zip(names, values, strict=True))))
     return jnp.sum(jnp.sin(out)) + jnp.sum(final**2)
 
   return loss
+
+
+def _reference_scan(x):
+  return _reference(x, differentiable=True)
+
+
+@functools.cache
+def _derivatives(f, names):
+  """`(values, x) -> gradients` and `(values, tangents, x) -> jvp` of `_loss(f, names)`, each
+  compiled once and shared by the tests and dtypes that use them."""
+  loss = _loss(f, names)
+  return (jax.jit(jax.grad(loss)),
+          jax.jit(lambda values, tangents, x: jax.jvp(lambda v: loss(v, x), (values,), (tangents,))[1]))
 
 
 def _differentiable(x):
@@ -252,21 +266,19 @@ def _differentiable(x):
 def _check_gradients_and_jvp(kind, x, tol):
   """Every mode's gradients and JVPs against autodiff of the float64 loop on the same inputs."""
   rng = np.random.default_rng(11)
-  names = _differentiable(x)
-  values = [x[n] for n in names]
-  argnums = tuple(range(len(names)))
-  tangents = [rng.normal(size=np.shape(v)).astype(v.dtype) for v in values]
-  as64 = lambda arrays: [np.asarray(a, np.float64) for a in arrays]
-  reference = _loss(lambda y: _reference(y, differentiable=True), x, names)
-  expected = jax.jit(jax.grad(reference, argnums))(*as64(values))
-  expected_jvp = jax.jit(lambda v, t: jax.jvp(reference, v, t)[1])(as64(values), as64(tangents))
+  names = tuple(_differentiable(x))
+  values = tuple(x[n] for n in names)
+  tangents = tuple(rng.normal(size=np.shape(v)).astype(v.dtype) for v in values)
+  as64 = lambda tree: jax.tree.map(
+      lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, tree)
+  grad, jvp = _derivatives(_reference_scan, names)
+  expected, expected_jvp = grad(as64(values), as64(x)), jvp(as64(values), as64(tangents), as64(x))
   # On CPU, "auto" computes values step by step and derivatives chunked (70 >= 64 steps).
   for mode, chunk in (("sequential", 8), ("chunked", 8), ("parallel", 8), ("auto", None)):
-    actual = _loss(_jitted(kind, mode, chunk), x, names)
-    for g, e in zip(jax.jit(jax.grad(actual, argnums))(*values), expected, strict=True):
+    grad, jvp = _derivatives(_jitted(kind, mode, chunk), names)
+    for g, e in zip(grad(values, x), expected, strict=True):
       _assert_close(g, e, tol)
-    _assert_close(jax.jit(lambda v, t, f=actual: jax.jvp(f, v, t)[1])(values, tangents),
-                  expected_jvp, tol)
+    _assert_close(jvp(values, tangents, x), expected_jvp, tol)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
@@ -315,8 +327,9 @@ def test_gradients_match_finite_differences(kind):
   rng = np.random.default_rng(12)
   x = _inputs(rng, kind, (), 11, heads=1, dim_k=3, dim_v=2, reset_rate=0.2)
   names = _differentiable(x)
-  loss = _loss(_jitted(kind, "chunked", 4), x, names)
-  check_grads(loss, [x[n] for n in names], order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+  loss = _loss(_jitted(kind, "chunked", 4), names)
+  check_grads(lambda *values: loss(values, x), [x[n] for n in names], order=1, modes=("fwd", "rev"),
+              atol=1e-5, rtol=1e-5)
 
 
 def test_jacfwd_and_hessian_vector_products_work():
@@ -413,9 +426,8 @@ def test_gradient_memory_holds_one_state_per_chunk_not_per_step(kind):
                 reset_rate=0.0)
     x = {n: v if v is None or n == "reset" else jnp.asarray(v, jnp.float32) for n, v in x.items()}
     names = _differentiable(x)
-    loss = _loss(functools.partial(_call, kind, mode="chunked", return_final_state=True), x, names)
-    compiled = jax.jit(jax.grad(loss, tuple(range(len(names))))).lower(
-        *[x[n] for n in names]).compile()
+    loss = _loss(functools.partial(_call, kind, mode="chunked", return_final_state=True), names)
+    compiled = jax.jit(jax.grad(loss)).lower([x[n] for n in names], x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
   per_step = (temp_bytes(2048) - temp_bytes(1024)) / 1024
