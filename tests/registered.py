@@ -10,6 +10,8 @@ import functools
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
+import numpy as np
 
 import ssmkit.nnx as snx
 from ssmkit._src.layers.registry import LAYERS
@@ -38,6 +40,14 @@ def nnx_cases(variants: bool = True) -> dict[str, tuple[Callable[..., snx.Layer]
     linen = factory()
     cases[case] = (functools.partial(snx.front_end(factory.func), **factory.keywords), linen)
   return cases
+
+
+def drawn_where_zero(params):
+  """`params` (a pytree of arrays) with every parameter that is all zeros drawn from N(0, 1)
+  instead: a layer that starts a projection at zero (RWKV-7's output projection and low-rank
+  bottlenecks) would otherwise hide the maths behind it from the contract."""
+  draw = lambda p: np.random.default_rng(p.size).standard_normal(p.shape).astype(p.dtype)
+  return jax.tree.map(lambda p: p if np.any(p) else draw(p), params)
 
 
 def names() -> list[str]:

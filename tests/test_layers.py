@@ -79,7 +79,7 @@ RESET = _resets(SHAPE[:2])
 
 
 def _params(layer):
-  return compiled.init(layer, SHAPE)
+  return registered.drawn_where_zero(compiled.init(layer, SHAPE))
 
 
 @pytest.mark.parametrize("with_reset", [False, True])
@@ -159,7 +159,7 @@ def _equations(jaxpr):
 # The layers whose projections (outside the recurrence's own matrices) run in bfloat16 for
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
 PROJECTING = frozenset({"Mamba", "Mamba2", "GatedDeltaNet", "KimiDeltaAttention", "GatedDeltaProduct",
-                        "RGLRU", "MinGRU", "Attention"})
+                        "RWKV7", "RGLRU", "MinGRU", "Attention"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -467,9 +467,10 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
 
 
 def _state_size_option(layer: type) -> str:
-  """The option that sizes a layer's state: `d_state`, or attention's `cache_size`."""
+  """The option that sizes a layer's state: `d_state`, attention's `cache_size` or RWKV-7's
+  `head_dim`."""
   fields = {f.name for f in dataclasses.fields(layer)}
-  return next(name for name in ("d_state", "cache_size") if name in fields)
+  return next(name for name in ("d_state", "cache_size", "head_dim") if name in fields)
 
 
 @pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))

@@ -1,9 +1,11 @@
-"""Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct, RGLRU and MinGRU against float64 NumPy loops
-written from their papers and reference modules (state-spaces/mamba `mamba2_simple.py` and
-`ssd_minimal.py`, flash-linear-attention `fla/layers/gated_deltanet.py`, `kda.py` with
-`fla/ops/kda/naive.py`, `gated_deltaproduct.py` with `fla/ops/gated_delta_product/naive.py`,
-recurrentgemma `jax/layers.py` and `jax/modules.py`, the minGRU paper's listings), and their
-initial parameters against the distributions those modules draw from. The shared contract
+"""Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct, RWKV-7, RGLRU and MinGRU against float64
+NumPy loops written from their papers and reference modules (state-spaces/mamba
+`mamba2_simple.py` and `ssd_minimal.py`, flash-linear-attention `fla/layers/gated_deltanet.py`,
+`kda.py` with `fla/ops/kda/naive.py`, `gated_deltaproduct.py` with
+`fla/ops/gated_delta_product/naive.py`, `rwkv7.py` with
+`fla/ops/generalized_delta_rule/dplr/naive.py`, recurrentgemma `jax/layers.py` and
+`jax/modules.py`, the minGRU paper's listings), and their initial parameters against the
+distributions those modules draw from. The shared contract
 (modes, steps, resets, streaming, gradients) is in test_layers.py."""
 
 import jax
@@ -456,3 +458,89 @@ def test_gated_deltaproduct_matches_the_reference_layer():
                                            num_heads=2, num_householder=3)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)
+
+
+def _rwkv7_reference(p, x, reset, *, head_dim, eps=1e-5):
+  """fla's RWKV7Attention.forward at layer 0 with `dplr_recurrence` (a = -kk, b = kk * a),
+  one step at a time."""
+  heads = x.shape[1] // head_dim
+  head_v = p["v_proj"].shape[1] // heads
+  state, previous = np.zeros((heads, head_dim, head_v)), np.zeros(x.shape[1])
+  ys = []
+  for t in range(x.shape[0]):
+    if reset[t]:
+      state, previous = np.zeros_like(state), np.zeros_like(previous)
+    delta, previous = previous - x[t], x[t]
+    xr, xw, xk, xv, xa, xg = (x[t] + delta * p[f"x_{m}"] for m in "rwkvag")
+    r, k, v = xr @ p["r_proj"], xk @ p["k_proj"], xv @ p["v_proj"]
+    w = -np.exp(-0.5) * _sigmoid(np.tanh(xw @ p["w_down"]) @ p["w_up"] + p["w_bias"])
+    a = _sigmoid(xa @ p["a_down"] @ p["a_up"] + p["a_bias"])
+    g = _sigmoid(xg @ p["g_down"]) @ p["g_up"]
+    kk = (k * p["k_k"]).reshape(heads, head_dim)
+    kk = kk / np.maximum(np.linalg.norm(kk, axis=-1, keepdims=True), 1e-12)
+    k = k + k * (a - 1) * p["k_a"]
+    r, k, a, w = (m.reshape(heads, head_dim) for m in (r, k, a, w))
+    v = v.reshape(heads, head_v)
+    o = np.zeros((heads, head_v))
+    for h in range(heads):
+      read = -kk[h] @ state[h]
+      state[h] = state[h] * np.exp(w[h])[:, None] + np.outer(kk[h] * a[h], read) + np.outer(k[h], v[h])
+      o[h] = r[h] @ state[h]
+    o = (o - o.mean(-1, keepdims=True)) / np.sqrt(o.var(-1, keepdims=True) + head_dim * eps)
+    o = o.reshape(-1) * p["norm_scale"] + p["norm_bias"]
+    o = o + (np.sum(r * k * p["r_k"], -1, keepdims=True) * v).reshape(-1)
+    ys.append((o * g) @ p["o_proj"])
+  return np.stack(ys)
+
+
+def _perturbed(params, seed):
+  """The parameters plus noise: the reference starts o_proj and the LoRAs' bottlenecks at zero,
+  which would hide most of the layer from a comparison."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [v + 0.3 * jax.random.normal(key, v.shape, v.dtype)
+                                   for v, key in zip(leaves, keys, strict=True)])
+
+
+@pytest.mark.parametrize("options", [dict(head_dim=3), dict(head_dim=2, value_dim=12)],
+                         ids=["default", "wider-values"])
+def test_rwkv7_matches_the_reference_layer(options):
+  layer = layers.RWKV7(decay_low_rank_dim=4, a_low_rank_dim=3, gate_low_rank_dim=5, **options)
+  x, reset = _x((29, 6)), _resets(29)
+  params = _perturbed(compiled.init(layer, x.shape, 13), 3)
+  expected = _rwkv7_reference(_params64(params), np.asarray(x, np.float64), reset,
+                              head_dim=options["head_dim"])
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
+
+
+def test_rwkv7_initialisation_follows_the_reference():
+  features, head_dim = 256, 64
+  for index, count in ((0, 12), (5, 12), (11, 12)):
+    layer = layers.RWKV7(head_dim=head_dim, layer_index=index, num_layers=count)
+    p = {name: np.asarray(v, np.float64)
+         for name, v in compiled.init(layer, _x((4, features)).shape, 14)["params"].items()}
+    n = np.arange(features)
+    linear = n / (features - 1) - 0.5
+    zigzag = ((n % head_dim) - (head_dim - 1) / 2) / ((head_dim - 1) / 2)
+    zigzag = zigzag * np.abs(zigzag)
+    late = 1 - index / count
+    np.testing.assert_allclose(p["x_w"], 1 - (n / features)**(0.9 * late), atol=1e-6)
+    np.testing.assert_allclose(p["x_g"], 1 - (n / features)**(0.2 * late), atol=1e-6)
+    np.testing.assert_allclose(p["k_k"], 0.71 - 0.1 * linear, atol=1e-6)
+    www = -6 + 6 * (n / (features - 1))**(1 + (index / (count - 1))**0.3)
+    np.testing.assert_allclose(p["w_bias"], www + 0.5 + 2.5 * zigzag, atol=1e-5)
+    np.testing.assert_allclose(p["a_bias"], -0.19 + 0.3 * zigzag + 0.4 * linear, atol=1e-6)
+    np.testing.assert_allclose(p["norm_scale"], ((index + 1) / count)**0.7, atol=1e-6)
+  assert np.all(p["k_a"] == np.float32(1.02)) and np.all(p["r_k"] == np.float32(-0.04))
+  assert not np.any(p["o_proj"]) and not np.any(p["w_down"]) and not np.any(p["g_down"])
+  # Orthogonal projections: r and v of gain 1, k of gain 0.1; the LoRAs' ways up of gain 0.1.
+  np.testing.assert_allclose(p["r_proj"].T @ p["r_proj"], np.eye(features), atol=1e-4)
+  np.testing.assert_allclose(p["k_proj"].T @ p["k_proj"], 0.01 * np.eye(features), atol=1e-5)
+  rank = p["w_up"].shape[0]
+  assert rank == 32  # the reference's default for 256 channels of heads of 64
+  np.testing.assert_allclose(p["w_up"] @ p["w_up"].T, 0.01 * np.eye(rank), atol=1e-5)
+  with pytest.raises(ValueError, match="`head_dim`=5 must divide"):
+    layers.RWKV7(head_dim=5).init(jax.random.key(0), _x((4, 8)))
+  with pytest.raises(ValueError, match="`layer_index` must be in"):
+    layers.RWKV7(head_dim=4, layer_index=2, num_layers=2).init(jax.random.key(0), _x((4, 8)))

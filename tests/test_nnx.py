@@ -62,7 +62,9 @@ def _assert_states_equal(actual, expected):
 
 @pytest.fixture(params=ONE_PER_LAYER)
 def layer(request):
-  return LAYERS[request.param][0](WIDTH, rngs=nnx.Rngs(0))
+  module = LAYERS[request.param][0](WIDTH, rngs=nnx.Rngs(0))
+  nnx.update(module, registered.drawn_where_zero(nnx.state(module, nnx.Param)))
+  return module
 
 
 # The layer contract, on the NNX modules (one shape throughout, so compiled code is shared).

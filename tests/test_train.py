@@ -474,7 +474,7 @@ def test_every_shipped_config_trains_in_its_tiny_variant(name, tmp_path, capsys)
   pattern = isinstance(config.model.layer, list)
   overrides = [*SMALL_DATA[config.data.name], *SMALL_MODEL]
   for layer in train.core.layer_names(config.model):
-    sized = {f.name for f in dataclasses.fields(LAYERS[layer].layer)} & {"d_state"}
+    sized = {f.name for f in dataclasses.fields(LAYERS[layer].layer)} & {"d_state", "head_dim"}
     overrides += [f"model.layer_kwargs.{f'{layer}.' if pattern else ''}{option}=8" for option in sized]
   if pattern:  # one block of each layer
     overrides.append(f"model.num_blocks={len(config.model.layer)}")

@@ -12,12 +12,14 @@ from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
 from ssmkit._src.layers.rglru import RGLRU, RGLRUState
+from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
 
 __all__ = [
     "LRU",
     "RGLRU",
+    "RWKV7",
     "S4D",
     "S5",
     "Attention",

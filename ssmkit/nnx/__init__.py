@@ -11,6 +11,7 @@ from ssmkit._src.nnx.convert import from_linen, to_linen
 from ssmkit._src.nnx.layers import (
     LRU,
     RGLRU,
+    RWKV7,
     S4D,
     S5,
     Attention,
@@ -28,6 +29,7 @@ from ssmkit._src.nnx.model import SequenceModel, generate
 __all__ = [
     "LRU",
     "RGLRU",
+    "RWKV7",
     "S4D",
     "S5",
     "Attention",

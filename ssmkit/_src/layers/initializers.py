@@ -52,3 +52,13 @@ def a_log_init(low: float, high: float) -> Initializer:
     return jnp.log(high - (high - low) * jax.random.uniform(key, shape, dtype))
 
   return init
+
+
+def orthogonal_init(gain: float) -> Initializer:
+  """A random orthogonal matrix times `gain`, drawn in float32 whatever the parameters' dtype
+  (the QR decomposition has no bfloat16 form)."""
+
+  def init(key: Array, shape, dtype=jnp.float32) -> Array:
+    return jax.nn.initializers.orthogonal(gain)(key, shape, jnp.float32).astype(dtype)
+
+  return init

@@ -23,6 +23,7 @@ from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import BLOCKS, POOLINGS
 from ssmkit._src.layers.rglru import RGLRU
+from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
 
@@ -51,6 +52,8 @@ LAYERS: dict[str, Entry] = {
     "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
     "kimi_delta_attention": Entry(KimiDeltaAttention, ({"num_heads": 2, "expand_v": 2, "d_conv": 3},)),
     "gated_delta_product": Entry(GatedDeltaProduct, ({"num_heads": 2, "expand_v": 1, "d_conv": 3},)),
+    "rwkv7": Entry(RWKV7, ({"head_dim": 2, "decay_low_rank_dim": 3, "a_low_rank_dim": 2,
+                            "gate_low_rank_dim": 3},)),
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
     "attention": Entry(Attention, (

@@ -26,6 +26,7 @@ from ssmkit._src.layers.mamba import Mamba as _Mamba
 from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
 from ssmkit._src.layers.mingru import MinGRU as _MinGRU
 from ssmkit._src.layers.rglru import RGLRU as _RGLRU
+from ssmkit._src.layers.rwkv7 import RWKV7 as _RWKV7
 from ssmkit._src.layers.s4d import S4D as _S4D
 from ssmkit._src.layers.s5 import S5 as _S5
 from ssmkit._src.modes import Mode
@@ -176,5 +177,6 @@ Mamba2 = front_end(_Mamba2)
 GatedDeltaNet = front_end(_GatedDeltaNet)
 GatedDeltaProduct = front_end(_GatedDeltaProduct)
 KimiDeltaAttention = front_end(_KimiDeltaAttention)
+RWKV7 = front_end(_RWKV7)
 RGLRU = front_end(_RGLRU)
 MinGRU = front_end(_MinGRU)
