@@ -265,3 +265,68 @@ def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, re
         jnp.moveaxis(jnp.asarray(reset), -1, 0))
   final, out = jax.lax.scan(lambda s, x: _matrix_state_step(jnp, s, *x), state, xs)
   return jnp.moveaxis(out, 0, q.ndim - 3), final
+
+
+def _mamba3_turn(xp, x, theta, layout):
+  """`x` `(..., N)` with channel pairs as complex numbers times exp(i theta) `(..., S)`: pairs
+  (2i, 2i + 1) ("interleaved") or (i, i + N/2) ("halves"), the channels past S untouched."""
+  n, s = x.shape[-1], theta.shape[-1]
+  first, second = (x[..., 0:2 * s:2], x[..., 1:2 * s:2]) if layout == "interleaved" else (
+      x[..., :s], x[..., n // 2:n // 2 + s])
+  z = (first + 1j * second) * xp.exp(1j * theta)
+  if layout == "interleaved":
+    turned = xp.stack([z.real, z.imag], axis=-1).reshape(*x.shape[:-1], 2 * s)
+    return xp.concatenate([turned, x[..., 2 * s:]], axis=-1)
+  return xp.concatenate([z.real, x[..., s:n // 2], z.imag, x[..., n // 2 + s:]], axis=-1)
+
+
+def _mamba3_step(xp, layout, carry, inputs):
+  """One token of Mamba-3's recurrence, as state-spaces/mamba's `mamba3_MIMO_step_ref`: rows
+  `(..., R, H, N)` q, k, `(..., R, H, P)` v; `(..., H)` log-decay, dt, lambda; `(..., H, S)`
+  angle rate; `(...,)` reset. The carry: S `(..., H, N, P)`, theta, the last rotated keys and
+  values."""
+  state, theta, k_prev, v_prev = carry
+  q, k, v, g, dt, lam, rate, reset = inputs
+  keep = ~reset
+  state = xp.where(keep[..., None, None, None], state, 0.0)
+  theta = xp.where(keep[..., None, None], theta, 0.0) + rate
+  k_prev = xp.where(keep[..., None, None, None], k_prev, 0.0)
+  v_prev = xp.where(keep[..., None, None, None], v_prev, 0.0)
+  q, k = (_mamba3_turn(xp, x, theta[..., None, :, :], layout) for x in (q, k))
+  alpha = xp.exp(g)
+  beta, gamma = (1 - lam) * dt * alpha, lam * dt
+  write = lambda a, b: xp.einsum("...rhn,...rhp->...hnp", a, b)
+  state = (alpha[..., None, None] * state + beta[..., None, None] * write(k_prev, v_prev)
+           + gamma[..., None, None] * write(k, v))
+  return (state, theta, k, v), xp.einsum("...rhn,...hnp->...rhp", q, state)
+
+
+def mamba3(q, k, v, log_decay, step_size, trapezoid, angle_rate, initial_state, reset,
+           layout="interleaved"):
+  """Mamba-3's recurrence one token at a time in float64, on rank-R rows (`(..., T, R, H, N)`
+  q, k, `(..., T, R, H, P)` v): S_t = alpha_t S_{t-1} + beta_t k~_{t-1}^T v_{t-1}
+  + gamma_t k~_t^T v_t, o_t = q~_t S_t, with keys and queries turned by the cumulative angles.
+  `initial_state` is `(S, theta, k~_{-1}, v_{-1})`. Returns `(o, final carry)`."""
+  f64 = lambda x: np.asarray(x, np.float64)
+  carry = tuple(f64(x) for x in initial_state)
+  time = np.ndim(log_decay) - 2
+  out = np.empty((*v.shape[:-1], carry[0].shape[-1]))
+  for t in range(np.shape(log_decay)[time]):
+    at = lambda x, t=t: np.take(np.asarray(x), t, axis=time)
+    carry, out_t = _mamba3_step(np, layout, carry, (
+        *(f64(at(x)) for x in (q, k, v, log_decay, step_size, trapezoid, angle_rate)), at(reset)))
+    np.moveaxis(out, time, 0)[t] = out_t
+  return out, carry
+
+
+def mamba3_scan(q, k, v, log_decay, step_size, trapezoid, angle_rate, initial_state, reset,
+                layout="interleaved"):
+  """`mamba3` as a `jax.lax.scan` in the inputs' dtype, to differentiate with JAX."""
+  import jax
+  import jax.numpy as jnp
+
+  time = jnp.ndim(log_decay) - 2
+  xs = tuple(jnp.moveaxis(jnp.asarray(x), time, 0)
+             for x in (q, k, v, log_decay, step_size, trapezoid, angle_rate, reset))
+  carry, out = jax.lax.scan(lambda c, x: _mamba3_step(jnp, layout, c, x), tuple(initial_state), xs)
+  return jnp.moveaxis(out, 0, time), carry

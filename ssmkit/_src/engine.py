@@ -232,6 +232,22 @@ def axis_position(axis_name: Hashable) -> tuple[jax.Array, int]:
   return lax.axis_index(axis_name), size
 
 
+def with_next_slice(x: jax.Array, x_next: jax.Array, steps: int, axis: int, axis_name: Hashable
+                    ) -> jax.Array:
+  """`x` with its last `steps` steps replaced by the first `steps` of the next device's `x_next`.
+
+  The device holding the last slice keeps its own steps: past the end of the whole
+  sequence there is no next slice.
+  """
+  index, size = axis_position(axis_name)
+  length = x.shape[axis]
+  head = lax.slice_in_dim(x_next, 0, steps, axis=axis)
+  received = lax.ppermute(head, axis_name, [(j, (j - 1) % size) for j in range(size)])
+  own = lax.slice_in_dim(x, length - steps, length, axis=axis)
+  tail = jnp.where(index == size - 1, own, received)
+  return jnp.concatenate([lax.slice_in_dim(x, 0, length - steps, axis=axis), tail], axis)
+
+
 class _Seam(NamedTuple):
   """How this device's slice joins the scan across the devices of a mesh axis.
 

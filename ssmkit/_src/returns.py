@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.engine import axis_position
+from ssmkit._src.engine import axis_position, with_next_slice
 from ssmkit._src.linear_recurrence import linear_recurrence
 from ssmkit._src.modes import Mode
 from ssmkit._src.trajectory import (
@@ -30,21 +30,6 @@ from ssmkit._src.trajectory import (
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
-
-
-def _with_next_slice(x: Array, x_next: Array, steps: int, axis: int, axis_name: Hashable) -> Array:
-  """`x` with its last `steps` steps replaced by the first `steps` of the next device's `x_next`.
-
-  The device holding the last slice keeps its own steps: past the end of the whole
-  sequence there is no next slice.
-  """
-  index, size = axis_position(axis_name)
-  length = x.shape[axis]
-  head = lax.slice_in_dim(x_next, 0, steps, axis=axis)
-  received = lax.ppermute(head, axis_name, [(j, (j - 1) % size) for j in range(size)])
-  own = lax.slice_in_dim(x, length - steps, length, axis=axis)
-  tail = jnp.where(index == size - 1, own, received)
-  return jnp.concatenate([lax.slice_in_dim(x, 0, length - steps, axis=axis), tail], axis)
 
 
 def discounted_returns(
@@ -232,7 +217,7 @@ def generalized_advantage_estimation(
   v_tm1 = lax.slice_in_dim(traj.values, 0, length, axis=axis)
   v_t = lax.slice_in_dim(traj.values, 1, length + 1, axis=axis)
   if axis_name is not None and length > 0:
-    v_t = _with_next_slice(v_t, v_tm1, 1, axis, axis_name)
+    v_t = with_next_slice(v_t, v_tm1, 1, axis, axis_name)
   v_t, lambda_ = cut_at_truncation(traj, v_t)
   deltas = traj.rewards + traj.discounts * v_t - v_tm1
   advantages = linear_recurrence(
@@ -307,7 +292,7 @@ def n_step_returns(
     out = jnp.concatenate([x, jnp.broadcast_to(fill, (n - 1, *x.shape[1:]))])
     if axis_name is None or n == 1:
       return out
-    return _with_next_slice(out, x, n - 1, 0, axis_name)
+    return with_next_slice(out, x, n - 1, 0, axis_name)
 
   # Past the end: reward 0, discount 1, lambda 1 and the last value carry the bootstrap.
   last = jnp.moveaxis(values, traj.axis, 0)[-1:]

@@ -7,11 +7,13 @@ from ssmkit._src.matrix_state.delta_product import delta_product
 from ssmkit._src.matrix_state.delta_rule import delta_rule
 from ssmkit._src.matrix_state.generalized_delta_rule import generalized_delta_rule
 from ssmkit._src.matrix_state.linear_attention import linear_attention
+from ssmkit._src.matrix_state.mamba3 import Mamba3State, mamba3
 from ssmkit._src.modes import Inner, Mode
 from ssmkit.scan import operators
 
 __all__ = [
     "Inner",
+    "Mamba3State",
     "Mode",
     "associative_scan",
     "delta_product",
@@ -22,5 +24,6 @@ __all__ = [
     "linear_attention",
     "linear_recurrence",
     "linear_recurrence_final_state",
+    "mamba3",
     "operators",
 ]

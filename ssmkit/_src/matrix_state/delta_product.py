@@ -40,14 +40,14 @@ def _check(q, k, v, beta, log_decay, reset) -> tuple[Array, Array, Array, Array,
   return q, k, v, beta, steps
 
 
-def _interleave(x: Array | None, steps: int, axis: int) -> Array | None:
+def interleave(x: Array | None, steps: int, axis: int) -> Array | None:
   """`(..., T, n, ...)` with time at `axis` -> `(..., T * n, ...)`."""
   if x is None:
     return None
   return x.reshape((*x.shape[:axis], x.shape[axis] * steps, *x.shape[axis + 2:]))
 
 
-def _at_step(x: Array | None, steps: int, index: int, axis: int) -> Array | None:
+def at_step(x: Array | None, steps: int, index: int, axis: int) -> Array | None:
   """`x` with time at `axis` placed at step `index` of n per token, zeros (False) elsewhere."""
   if x is None:
     return None
@@ -55,7 +55,7 @@ def _at_step(x: Array | None, steps: int, index: int, axis: int) -> Array | None
   axis = axis % x.ndim
   spread = jnp.zeros((*x.shape[:axis + 1], steps, *x.shape[axis + 1:]), x.dtype)
   spread = lax.dynamic_update_index_in_dim(spread, jnp.expand_dims(x, axis + 1), index, axis + 1)
-  return _interleave(spread, steps, axis)
+  return interleave(spread, steps, axis)
 
 
 def delta_product(
@@ -131,10 +131,10 @@ def delta_product(
   q, k, v, beta, steps = _check(q, k, v, beta, log_decay, reset)
   time = q.ndim - 3
   out = delta_rule(
-      _at_step(q, steps, steps - 1, time), _interleave(k, steps, time),
-      _interleave(v, steps, time), _interleave(beta, steps, time),
-      _at_step(log_decay, steps, 0, time), initial_state=initial_state,
-      reset=_at_step(reset, steps, 0, time), mode=mode, chunk_size=chunk_size,
+      at_step(q, steps, steps - 1, time), interleave(k, steps, time),
+      interleave(v, steps, time), interleave(beta, steps, time),
+      at_step(log_decay, steps, 0, time), initial_state=initial_state,
+      reset=at_step(reset, steps, 0, time), mode=mode, chunk_size=chunk_size,
       return_final_state=return_final_state, axis_name=axis_name, precision=precision,
       check_log_decay=check_log_decay)
   o, final = out if return_final_state else (out, None)

@@ -1,0 +1,283 @@
+"""Mamba-3's recurrence: an exponential-trapezoidal input, a rotary (complex-valued) state and
+rank-R inputs and outputs, as linear attention over folded keys plus a per-token correction."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ssmkit._src import checks
+from ssmkit._src.engine import axis_position, with_next_slice
+from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.matrix_state.delta_product import at_step, interleave
+from ssmkit._src.matrix_state.linear_attention import linear_attention
+from ssmkit._src.modes import Mode
+
+Array = jax.Array
+ROTARY_LAYOUTS = ("interleaved", "halves")
+
+
+class Mamba3State(NamedTuple):
+  """What Mamba-3's recurrence carries from one token to the next.
+
+  Attributes:
+    state: `(..., H, N, P)` the matrix state S (keys by values).
+    angle: `(..., H, S)` the cumulative rotation angles theta.
+    key: the last token's rotated keys, `(..., H, N)`, or `(..., R, H, N)` with R ranks.
+    value: the last token's values, `(..., H, P)`, or `(..., R, H, P)`.
+  """
+
+  state: Array
+  angle: Array
+  key: Array
+  value: Array
+
+
+def _check(q, k, v, log_decay, step_size, trapezoid, angle_rate, rotary, reset):
+  q, k, v, log_decay, step_size, trapezoid = (
+      checks.real_floating(x, name) for x, name in (
+          (q, "q"), (k, "k"), (v, "v"), (log_decay, "log_decay"), (step_size, "step_size"),
+          (trapezoid, "trapezoid")))
+  if log_decay.ndim < 2:
+    raise ValueError(f"`log_decay` must be `(..., T, H)`, got shape {log_decay.shape}.")
+  heads = log_decay.shape
+  if q.ndim not in (log_decay.ndim + 1, log_decay.ndim + 2):
+    raise ValueError(f"`q` must be `(..., T, H, N)` or `(..., T, R, H, N)` for `log_decay` "
+                     f"{heads}, got shape {q.shape}.")
+  mimo = q.ndim == log_decay.ndim + 2
+  if q.shape[:-1] != (*heads[:-1], *q.shape[-3:-2][:mimo], heads[-1]):
+    raise ValueError(f"`q` must be `(..., T, {'R, ' if mimo else ''}H, N)` with the leading "
+                     f"shape {heads} of `log_decay`, got {q.shape}.")
+  checks.check_shape(k, q.shape, "k", "the shape of `q`")
+  if v.shape[:-1] != q.shape[:-1]:
+    raise ValueError(f"`v` must be `{'(..., T, R, H, P)' if mimo else '(..., T, H, P)'}` with "
+                     f"the leading shape {q.shape[:-1]} of `q`, got {v.shape}.")
+  checks.check_shape(step_size, heads, "step_size", "(..., T, H): the shape of `log_decay`")
+  checks.check_shape(trapezoid, heads, "trapezoid", "(..., T, H): the shape of `log_decay`")
+  if angle_rate is not None:
+    angle_rate = checks.real_floating(angle_rate, "angle_rate")
+    if angle_rate.shape[:-1] != heads or 2 * angle_rate.shape[-1] > q.shape[-1]:
+      raise ValueError(f"`angle_rate` must be `(..., T, H, S)` with the leading shape {heads} "
+                       f"and 2 S <= N = {q.shape[-1]}, got {angle_rate.shape}.")
+  if rotary not in ROTARY_LAYOUTS:
+    raise ValueError(f"`rotary` must be one of {ROTARY_LAYOUTS}, got {rotary!r}.")
+  if reset is not None:
+    reset = jnp.asarray(reset)
+    checks.check_bool(reset, "reset")
+    checks.check_shape(reset, heads[:-1], "reset", "(..., T): the leading shape of `log_decay`")
+  return q, k, v, log_decay, step_size, trapezoid, angle_rate, reset, mimo
+
+
+def _check_state(state, q, v, log_decay, angle_rate, mimo) -> Mamba3State:
+  """`state` as a `Mamba3State` of the shapes these inputs carry."""
+  batch, heads = log_decay.shape[:-2], log_decay.shape[-1]
+  ranks = q.shape[-3:-2] if mimo else ()
+  angles = 0 if angle_rate is None else angle_rate.shape[-1]
+  expected = Mamba3State((*batch, heads, q.shape[-1], v.shape[-1]), (*batch, heads, angles),
+                         (*batch, *ranks, heads, q.shape[-1]), (*batch, *ranks, heads, v.shape[-1]))
+  if not isinstance(state, tuple) or len(state) != 4:
+    raise ValueError(f"`initial_state` must be a `Mamba3State` (state, angle, key, value), got "
+                     f"{type(state).__name__}.")
+  state = Mamba3State(*(checks.real_floating(s, f"initial_state.{name}")
+                        for s, name in zip(state, Mamba3State._fields, strict=True)))
+  if tuple(s.shape for s in state) != tuple(expected):
+    raise ValueError(f"`initial_state` must have the shapes {expected} for these inputs, got "
+                     f"{Mamba3State(*(s.shape for s in state))}.")
+  return state
+
+
+def rotate(x: Array, angle: Array, layout: str) -> Array:
+  """`x` `(..., N)` with channel pairs turned by `angle` `(..., S)`, 2 S <= N: pairs
+  (2i, 2i + 1) ("interleaved") or (i, i + N / 2) ("halves") for i < S; the other channels
+  are left as they are."""
+  n, s = x.shape[-1], angle.shape[-1]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  if layout == "interleaved":
+    pairs = x.reshape(*x.shape[:-1], n // 2, 2)
+    first, second, rest = pairs[..., :s, 0], pairs[..., :s, 1], pairs[..., s:, :]
+    turned = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return jnp.concatenate([turned, rest], axis=-2).reshape(x.shape)
+  half = n // 2
+  first, second = x[..., :s], x[..., half:half + s]
+  return jnp.concatenate([first * cos - second * sin, x[..., s:half],
+                          first * sin + second * cos, x[..., half + s:]], axis=-1)
+
+
+def _next_step(x: Array, axis: int, axis_name: Hashable | None) -> Array:
+  """x_{t+1} at t along `axis`: the next device's first step at the end of a slice, zero past
+  the end of the sequence."""
+  length = x.shape[axis]
+  if length == 0:
+    return x
+  shifted = jnp.concatenate([lax.slice_in_dim(x, 1, length, axis=axis),
+                             jnp.zeros_like(lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
+  if axis_name is None:
+    return shifted
+  return with_next_slice(shifted, x, 1, axis, axis_name)
+
+
+def _from_last_device(x: Array, axis_name: Hashable | None) -> Array:
+  """`x` as the device holding the last slice has it, on every device."""
+  if axis_name is None:
+    return x
+  index, size = axis_position(axis_name)
+  return lax.psum(jnp.where(index == size - 1, x, jnp.zeros_like(x)), axis_name)
+
+
+def mamba3(
+    q,
+    k,
+    v,
+    log_decay,
+    step_size,
+    trapezoid,
+    angle_rate=None,
+    *,
+    rotary: str = "interleaved",
+    initial_state: Mamba3State | None = None,
+    reset=None,
+    mode: str | Mode = "auto",
+    chunk_size: int | None = None,
+    return_final_state: bool = False,
+    axis_name: Hashable | None = None,
+    precision: lax.PrecisionLike = None,
+):
+  """Mamba-3's recurrence: exponential-trapezoidal inputs, rotary state, SISO or MIMO.
+
+  Per head, with a `(N, P)` state S, keys k_t (B), queries q_t (C) and values v_t (x),
+  decay alpha_t = exp(log_decay_t) (A_t dt_t), step dt_t and trapezoid weight lambda_t:
+
+    theta_t = theta_{t-1} + angle_rate_t,    k~_t = R(theta_t) k_t,    q~_t = R(theta_t) q_t,
+    S_t = alpha_t (S_{t-1} + (1 - lambda_t) dt_t k~_{t-1}^T v_{t-1}) + lambda_t dt_t k~_t^T v_t,
+    o_t = q~_t S_t.
+
+  lambda = 1 is Mamba-2's (exponential-Euler) rule; the previous token's term enters with
+  its own rotated key. R(theta) turns pairs of key channels by the angles theta (S of them
+  for N channels, 2 S <= N): a complex-valued state written in real numbers. With R ranks
+  (MIMO), each token writes sum_r k~_{t,r}^T v_{t,r} and reads o_{t,r} = q~_{t,r} S_t.
+  `reset` starts a new sequence: S, theta and the previous token are dropped.
+
+  This is `linear_attention` with each token's key scaled by lambda_t dt_t plus the next
+  token's (1 - lambda_{t+1}) dt_{t+1}, and a per-token correction of the ranks' reads of
+  each other (and of the next token's share, not yet written); so every mode, streaming
+  and `axis_name` work as there (the next token's weight and the last token's key and value
+  cross devices by `ppermute` and `psum`). The D skip, gates and projections are the layer's
+  (`ssmkit.layers.Mamba3`).
+
+  Args:
+    q: `(..., T, H, N)` queries (C), or `(..., T, R, H, N)` with R ranks (MIMO).
+    k: keys (B), `q`'s shape.
+    v: values (x), `(..., T, H, P)` or `(..., T, R, H, P)`.
+    log_decay: `(..., T, H)` log of the decay, A_t dt_t <= 0.
+    step_size: `(..., T, H)` dt_t.
+    trapezoid: `(..., T, H)` lambda_t, the current token's share of the step (in [0, 1]).
+    angle_rate: None (no rotation) or `(..., T, H, S)` the angle increments
+      theta_t - theta_{t-1} (the layer's pi tanh(.) dt_t).
+    rotary: which channels turn together: "interleaved" pairs (2i, 2i + 1) (the reference's
+      SISO layer) or "halves" (i, i + N / 2) (its MIMO layer).
+    initial_state: a `Mamba3State` before the first token; default zeros.
+    reset: `(..., T)` booleans; True starts a new sequence at that token.
+    mode: as in `linear_attention`.
+    chunk_size: steps per chunk, R per token; default 64.
+    return_final_state: also return the `Mamba3State` after the last token.
+    axis_name: sequence parallelism as in `linear_attention`, tokens split over the devices.
+    precision: precision of the matrix products (`jax.lax.Precision`).
+
+  Returns:
+    `o`, `v`'s shape but for P; with `return_final_state`, `(o, Mamba3State)` in the
+    accumulation dtype.
+
+  Raises:
+    TypeError: for integer or complex inputs, or a non-boolean `reset`.
+    ValueError: for shapes that do not fit `log_decay` and each other, or an unknown
+      `rotary`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from ssmkit.scan import mamba3
+    >>> ones = jnp.ones((2, 1))  # T=2, one head
+    >>> k = jnp.ones((2, 1, 1))  # N=1
+    >>> v = jnp.array([[[2.0]], [[4.0]]])
+    >>> # half of each token's write at it, half at the next: 0.5 * 2, then 2 + 0.5 * 4
+    >>> mamba3(k, k, v, 0 * ones, ones, 0.5 * ones)[:, 0, 0]
+    Array([1., 4.], dtype=float32)
+
+  References:
+    Lahoti et al., "Mamba-3: improved sequence modeling using state space principles",
+    2026 (arXiv:2603.15569); state-spaces/mamba, `mamba3_siso_step_ref` and
+    `mamba3_MIMO_step_ref` in `tests/ops/`.
+  """
+  q, k, v, log_decay, step_size, trapezoid, angle_rate, reset, mimo = _check(
+      q, k, v, log_decay, step_size, trapezoid, angle_rate, rotary, reset)
+  time = log_decay.ndim - 2
+  if initial_state is not None:
+    initial_state = _check_state(initial_state, q, v, log_decay, angle_rate, mimo)
+  if not mimo:  # one rank
+    q, k, v = (jnp.expand_dims(x, time + 1) for x in (q, k, v))
+  ranks, length = q.shape[time + 1], q.shape[time]
+  dtype = accumulation_dtype(jnp.result_type(q, k, v, log_decay, step_size, trapezoid))
+  heads = log_decay.shape
+  zeros = lambda *shape: jnp.zeros(shape, dtype)
+  start = initial_state
+  if start is None:
+    s = 0 if angle_rate is None else angle_rate.shape[-1]
+    start = Mamba3State(zeros(*heads[:-2], heads[-1], q.shape[-1], v.shape[-1]),
+                        zeros(*heads[:-2], heads[-1], s), zeros(*q.shape[:time], *q.shape[time + 1:]),
+                        zeros(*v.shape[:time], *v.shape[time + 1:]))
+  elif not mimo:
+    start = start._replace(key=jnp.expand_dims(start.key, time),
+                           value=jnp.expand_dims(start.value, time))
+  by_rank = lambda x: jnp.expand_dims(x, time + 1)[..., None]  # (..., T, H) -> (..., T, 1, H, 1)
+
+  angle = start.angle
+  if angle_rate is not None:
+    theta, angle = linear_recurrence(jnp.ones((), dtype), angle_rate.astype(dtype), start.angle,
+                                     reset=reset, axis=time, mode=mode, return_final_state=True,
+                                     axis_name=axis_name)
+    theta = jnp.expand_dims(theta, time + 1)
+    q, k = (rotate(x.astype(dtype), theta, rotary) for x in (q, k))
+
+  now = (trapezoid * step_size).astype(dtype)
+  previous = ((1 - trapezoid) * step_size).astype(dtype)
+  if reset is not None:
+    previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
+  later = _next_step(previous, time, axis_name)  # the share of each token the next one writes
+  prior = jnp.einsum("...rhn,...rhp->...hnp", start.key, start.value)
+  if reset is not None and length:
+    first = lax.index_in_dim(reset, 0, time, keepdims=False)[..., None, None, None]
+    prior = jnp.where(first, jnp.zeros_like(prior), prior)
+  entry = start.state
+  if length:
+    entry = entry + lax.index_in_dim(previous, 0, time, keepdims=False)[..., None, None] * prior
+
+  out = linear_attention(
+      interleave(q, ranks, time), interleave(by_rank(now + later) * k, ranks, time),
+      interleave(v, ranks, time), at_step(log_decay, ranks, 0, time), initial_state=entry,
+      reset=at_step(reset, ranks, 0, time), mode=mode,
+      chunk_size=chunk_size, return_final_state=return_final_state, axis_name=axis_name,
+      precision=precision, check_log_decay=False)
+  o, final = out if return_final_state else (out, None)
+  o = o.reshape(v.shape)
+  # Rank r read the writes of ranks <= r of its own token, each with the next token's share
+  # too: add those of ranks > r and take that share back.
+  scores = jnp.einsum("...rhn,...shn->...hrs", q, k, precision=precision,
+                      preferred_element_type=dtype)
+  upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (scores.ndim - 2) + (ranks,) * 2)
+  weights = jnp.where(upper, now[..., None, None], -later[..., None, None])
+  o = o + jnp.einsum("...hrs,...shp->...rhp", scores * weights, v.astype(dtype),
+                     precision=precision).astype(o.dtype)
+  if not mimo:
+    o = jnp.squeeze(o, time + 1)
+  if not return_final_state:
+    return o
+  key, value = start.key, start.value
+  if length:
+    key, value = (_from_last_device(lax.index_in_dim(x, length - 1, time, keepdims=False).astype(
+        dtype), axis_name) for x in (k, v))
+  if not mimo:
+    key, value = jnp.squeeze(key, time), jnp.squeeze(value, time)
+  return o, Mamba3State(final, angle, key, value)
