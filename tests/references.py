@@ -290,6 +290,7 @@ def _mamba3_step(xp, layout, carry, inputs):
   keep = ~reset
   state = xp.where(keep[..., None, None, None], state, 0.0)
   theta = xp.where(keep[..., None, None], theta, 0.0) + rate
+  theta = theta - 2 * np.pi * xp.floor(theta / (2 * np.pi))  # in [0, 2 pi), as the reference
   k_prev = xp.where(keep[..., None, None, None], k_prev, 0.0)
   v_prev = xp.where(keep[..., None, None, None], v_prev, 0.0)
   q, k = (_mamba3_turn(xp, x, theta[..., None, :, :], layout) for x in (q, k))

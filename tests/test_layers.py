@@ -158,8 +158,8 @@ def _equations(jaxpr):
 
 # The layers whose projections (outside the recurrence's own matrices) run in bfloat16 for
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
-PROJECTING = frozenset({"Mamba", "Mamba2", "GatedDeltaNet", "KimiDeltaAttention", "GatedDeltaProduct",
-                        "RWKV7", "RGLRU", "MinGRU", "Attention"})
+PROJECTING = frozenset({"Mamba", "Mamba2", "Mamba3", "GatedDeltaNet", "KimiDeltaAttention",
+                        "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU", "Attention"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -219,6 +219,12 @@ def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
       _assert_close(y[:, 6:], eager[:, 6:])
 
 
+# Mamba-3 turns its state by pi dt per step: thousands of radians at these step sizes, where
+# float32's spacing is 2.4e-4, so a rounding of the angle that differs between two compiled
+# programs moves the outputs by about that much (measured: 3.8e-4 of the largest).
+SATURATED_RTOL = {"Mamba3": 1e-3}
+
+
 def test_inputs_that_saturate_every_gate_and_decay_stay_finite(layer):
   """Inputs of magnitude 1000 drive step sizes, gates and data-dependent decays to their
   extremes (decays of exp(-1000) and below): every mode's outputs and input gradients stay
@@ -229,7 +235,7 @@ def test_inputs_that_saturate_every_gate_and_decay_stay_finite(layer):
   results = compiled.compiled(_after_a_reset, layer=layer)(params, 1000 * X, reset, start)
   for y, dx in results:
     assert np.all(np.isfinite(y)) and np.all(np.isfinite(dx))
-    _assert_close(y, results[0][0], rtol=1e-4)
+    _assert_close(y, results[0][0], rtol=SATURATED_RTOL.get(type(layer).__name__, 1e-4))
 
 
 def test_bfloat16_parameters_compute_as_their_float32_values(layer):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import compiled
+import references
 from ssmkit import layers
 
 
@@ -544,3 +545,66 @@ def test_rwkv7_initialisation_follows_the_reference():
     layers.RWKV7(head_dim=5).init(jax.random.key(0), _x((4, 8)))
   with pytest.raises(ValueError, match="`layer_index` must be in"):
     layers.RWKV7(head_dim=4, layer_index=2, num_layers=2).init(jax.random.key(0), _x((4, 8)))
+
+
+def _mamba3_reference(p, x, reset, *, d_state, head_dim, mimo_rank=None, outproj_norm=False,
+                      eps=1e-5):
+  """state-spaces/mamba's Mamba3.forward (n_groups 1, rope_fraction 0.5) with the step loop of
+  `mamba3_siso_step_ref` / `mamba3_MIMO_step_ref`, in float64."""
+  ranks = mimo_rank or 1
+  inner = p["out_proj"].shape[0]
+  heads, angles = inner // head_dim, d_state // 4
+  widths = np.cumsum([inner, inner, ranks * d_state, ranks * d_state, heads, heads, heads])
+  z, u, b, c, dd_dt, dd_a, trap, ang = np.split(x @ p["in_proj"], widths, axis=-1)
+  length = x.shape[0]
+  norm = lambda m, w: _rms_norm(m.reshape(length, ranks, 1, d_state), eps)[:, :, 0] * w
+  k = norm(b, p["B_norm"])[:, :, None] + p["B_bias"].transpose(1, 0, 2)  # (T, R, H, N)
+  q = norm(c, p["C_norm"])[:, :, None] + p["C_bias"].transpose(1, 0, 2)
+  dt = _softplus(dd_dt + p["dt_bias"])
+  a = -np.where(dd_a >= 0, 1 + dd_a, 1 / (1 - np.minimum(dd_a, 0)))
+  a = np.minimum(a, -1e-4)
+  rate = np.tanh(ang)[:, None, :] * np.pi * dt[..., None]
+  u = u.reshape(length, heads, head_dim)
+  v = u[:, None] * (p["mimo_x"].transpose(1, 0, 2) if mimo_rank else 1)
+  start = (np.zeros((heads, d_state, head_dim)), np.zeros((heads, angles)),
+           np.zeros((ranks, heads, d_state)), np.zeros((ranks, heads, head_dim)))
+  y, _ = references.mamba3(q, k, v, a * dt, dt, _sigmoid(trap), rate, start, reset,
+                           "halves" if mimo_rank else "interleaved")
+  y = y + p["D"][:, None] * v
+  z = z.reshape(length, heads, head_dim)[:, None] * (p["mimo_z"].transpose(1, 0, 2)
+                                                      if mimo_rank else 1)
+  if outproj_norm:
+    y = _rms_norm(y, eps) * p["norm_scale"].reshape(heads, head_dim)
+  y = y * _silu(z)
+  y = np.sum(y * p["mimo_o"].transpose(1, 0, 2), axis=1) if mimo_rank else y[:, 0]
+  return y.reshape(length, inner) @ p["out_proj"]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(mimo_rank=3, outproj_norm=True)],
+                         ids=["siso", "mimo-norm"])
+def test_mamba3_matches_the_reference_module(options):
+  layer = layers.Mamba3(d_state=8, head_dim=4, **options)
+  x, reset = _x((29, 6)), _resets(29)
+  params = _perturbed(compiled.init(layer, x.shape, 13), 4)
+  expected = _mamba3_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=8,
+                               head_dim=4, **options)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
+
+
+def test_mamba3_initialisation_follows_the_reference():
+  layer = layers.Mamba3(d_state=16, head_dim=8, mimo_rank=4)
+  p = compiled.init(layer, _x((4, 32)).shape, 14)["params"]
+  heads = 64 // 8
+  # [z, x, B, C, dt, A, lambda, angles]: angles are d_state / 4 (rope_fraction 0.5).
+  assert p["in_proj"].shape == (32, 2 * 64 + 2 * 4 * 16 + 3 * heads + 4)
+  dt = np.asarray(jax.nn.softplus(p["dt_bias"]), np.float64)
+  assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 1e-1 * (1 + 1e-4)
+  for name, value in (("B_bias", 1), ("C_bias", 1), ("D", 1), ("mimo_x", 0.25), ("mimo_z", 1),
+                      ("mimo_o", 0.25)):
+    assert np.all(np.asarray(p[name]) == np.float32(value)), name
+  assert p["mimo_x"].shape == (heads, 4, 8) and p["B_bias"].shape == (heads, 4, 16)
+  bound = 32**-0.5
+  assert np.abs(p["in_proj"]).max() <= bound and np.abs(p["in_proj"]).max() > 0.9 * bound
+  with pytest.raises(ValueError, match=r"`rope_fraction` must be 0\.5 or 1\.0"):
+    layers.Mamba3(rope_fraction=0.25).init(jax.random.key(0), _x((4, 16)))

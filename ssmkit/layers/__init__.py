@@ -9,6 +9,7 @@ from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.layers.mamba3 import Mamba3
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
 from ssmkit._src.layers.rglru import RGLRU, RGLRUState
@@ -30,6 +31,7 @@ __all__ = [
     "KimiDeltaAttention",
     "Mamba",
     "Mamba2",
+    "Mamba3",
     "MinGRU",
     "MixerBlock",
     "RGLRUState",

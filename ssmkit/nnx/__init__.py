@@ -21,6 +21,7 @@ from ssmkit._src.nnx.layers import (
     Layer,
     Mamba,
     Mamba2,
+    Mamba3,
     MinGRU,
     front_end,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "Layer",
     "Mamba",
     "Mamba2",
+    "Mamba3",
     "MinGRU",
     "MixerBlock",
     "SSMBlock",

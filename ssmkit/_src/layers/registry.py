@@ -20,6 +20,7 @@ from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.layers.mamba3 import Mamba3
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import BLOCKS, POOLINGS
 from ssmkit._src.layers.rglru import RGLRU
@@ -49,6 +50,8 @@ LAYERS: dict[str, Entry] = {
                      {"d_state": 6, "blocks": 2, "conj_sym": False, "discretization": "bilinear"})),
     "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3},)),
     "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3},)),
+    "mamba3": Entry(Mamba3, ({"d_state": 4, "head_dim": 2},
+                             {"d_state": 4, "head_dim": 4, "mimo_rank": 2, "outproj_norm": True})),
     "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
     "kimi_delta_attention": Entry(KimiDeltaAttention, ({"num_heads": 2, "expand_v": 2, "d_conv": 3},)),
     "gated_delta_product": Entry(GatedDeltaProduct, ({"num_heads": 2, "expand_v": 1, "d_conv": 3},)),

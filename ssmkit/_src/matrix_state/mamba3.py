@@ -107,6 +107,23 @@ def rotate(x: Array, angle: Array, layout: str) -> Array:
                           first * sin + second * cos, x[..., half + s:]], axis=-1)
 
 
+def _cumulative_angles(rate: Array, start: Array, reset: Array | None, axis: int,
+                       mode: str | Mode, axis_name: Hashable | None) -> tuple[Array, Array]:
+  """theta_t = theta_{t-1} + rate_t (from 0 after a reset), and the last theta in [0, 2 pi).
+
+  The angles run as unit complex numbers, exp(i theta_t) = exp(i rate_t) exp(i theta_{t-1}):
+  a sum of the angles themselves would grow with t and lose their float32 precision (at
+  theta ~ 1e4 its spacing is 1e-3), and the modes would turn by different roundings of it.
+  """
+  turn = jnp.exp(1j * rate)
+  entry = jnp.zeros_like(turn)  # a reset restarts at exp(i rate_t)
+  if reset is not None:
+    entry = jnp.where(reset[..., None, None], turn, entry)
+  phase, last = linear_recurrence(turn, entry, jnp.exp(1j * start), reset=reset, axis=axis,
+                                  mode=mode, return_final_state=True, axis_name=axis_name)
+  return jnp.angle(phase), jnp.mod(jnp.angle(last), 2 * jnp.pi)
+
+
 def _next_step(x: Array, axis: int, axis_name: Hashable | None) -> Array:
   """x_{t+1} at t along `axis`: the next device's first step at the end of a slice, zero past
   the end of the sequence."""
@@ -118,6 +135,18 @@ def _next_step(x: Array, axis: int, axis_name: Hashable | None) -> Array:
   if axis_name is None:
     return shifted
   return with_next_slice(shifted, x, 1, axis, axis_name)
+
+
+def _after_previous(x: Array, first: Array, axis: int, axis_name: Hashable | None) -> Array:
+  """x_{t-1} at t along `axis`: the previous device's last step at the start of a slice,
+  `first` on the first slice."""
+  last = lax.index_in_dim(x, x.shape[axis] - 1, axis, keepdims=False)
+  if axis_name is not None:
+    index, size = axis_position(axis_name)
+    received = lax.ppermute(last, axis_name, [(j, (j + 1) % size) for j in range(size)])
+    first = jnp.where(index == 0, first, received)
+  return jnp.concatenate([jnp.expand_dims(first, axis),
+                          lax.slice_in_dim(x, 0, x.shape[axis] - 1, axis=axis)], axis)
 
 
 def _from_last_device(x: Array, axis_name: Hashable | None) -> Array:
@@ -234,42 +263,53 @@ def mamba3(
   by_rank = lambda x: jnp.expand_dims(x, time + 1)[..., None]  # (..., T, H) -> (..., T, 1, H, 1)
 
   angle = start.angle
-  if angle_rate is not None:
-    theta, angle = linear_recurrence(jnp.ones((), dtype), angle_rate.astype(dtype), start.angle,
-                                     reset=reset, axis=time, mode=mode, return_final_state=True,
-                                     axis_name=axis_name)
+  if angle_rate is not None and length:
+    theta, angle = _cumulative_angles(angle_rate.astype(dtype), start.angle, reset, time, mode,
+                                      axis_name)
     theta = jnp.expand_dims(theta, time + 1)
     q, k = (rotate(x.astype(dtype), theta, rotary) for x in (q, k))
 
   now = (trapezoid * step_size).astype(dtype)
   previous = ((1 - trapezoid) * step_size).astype(dtype)
-  if reset is not None:
+  # Token t reads S_{t-1} decayed: q_t exp(log_decay_t), or nothing after a reset.
+  reading = by_rank(jnp.exp(log_decay.astype(dtype))) * q
+  if reset is not None:  # no previous token to write, nothing earlier to read (by selection,
+    # so that a NaN before the reset meets no product on its way back)
     previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
+    reading = jnp.where(reset[..., None, None, None], jnp.zeros_like(reading), reading)
   later = _next_step(previous, time, axis_name)  # the share of each token the next one writes
   prior = jnp.einsum("...rhn,...rhp->...hnp", start.key, start.value)
-  if reset is not None and length:
-    first = lax.index_in_dim(reset, 0, time, keepdims=False)[..., None, None, None]
-    prior = jnp.where(first, jnp.zeros_like(prior), prior)
   entry = start.state
   if length:
-    entry = entry + lax.index_in_dim(previous, 0, time, keepdims=False)[..., None, None] * prior
-
+    first = lambda x: lax.index_in_dim(x, 0, time, keepdims=False)
+    if reset is not None:
+      prior, entry = (jnp.where(first(reset)[..., None, None, None], jnp.zeros_like(x), x)
+                      for x in (prior, entry))
+    entry = entry + first(previous)[..., None, None] * prior
+  # Token t + 1's query reads S_t, so that no token reads its own write and the next token's
+  # share of it (which would then have to be taken back, cancelling in float32).
+  ahead = _next_step(reading, time, axis_name)
   out = linear_attention(
-      interleave(q, ranks, time), interleave(by_rank(now + later) * k, ranks, time),
+      interleave(ahead, ranks, time), interleave(by_rank(now + later) * k, ranks, time),
       interleave(v, ranks, time), at_step(log_decay, ranks, 0, time), initial_state=entry,
       reset=at_step(reset, ranks, 0, time), mode=mode,
       chunk_size=chunk_size, return_final_state=return_final_state, axis_name=axis_name,
       precision=precision, check_log_decay=False)
-  o, final = out if return_final_state else (out, None)
-  o = o.reshape(v.shape)
-  # Rank r read the writes of ranks <= r of its own token, each with the next token's share
-  # too: add those of ranks > r and take that share back.
-  scores = jnp.einsum("...rhn,...shn->...hrs", q, k, precision=precision,
-                      preferred_element_type=dtype)
-  upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (scores.ndim - 2) + (ranks,) * 2)
-  weights = jnp.where(upper, now[..., None, None], -later[..., None, None])
-  o = o + jnp.einsum("...hrs,...shp->...rhp", scores * weights, v.astype(dtype),
-                     precision=precision).astype(o.dtype)
+  read, final = out if return_final_state else (out, None)
+  read = read.reshape(v.shape)
+  # Interleaved, the read of rank r came before the writes of ranks > r of its token.
+  upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (v.ndim - 2) + (ranks,) * 2)
+  pairs = lambda a, b, w: jnp.einsum("...rhn,...shn->...hrs", a, b, precision=precision,
+                                     preferred_element_type=dtype) * w
+  mix = lambda w, x: jnp.einsum("...hrs,...shp->...rhp", w, x.astype(dtype), precision=precision)
+  read = read + mix(pairs(ahead, k, jnp.where(upper, (now + later)[..., None, None], 0)), v)
+  if length:
+    before = jnp.einsum("...rhn,...hnp->...rhp", first(reading), entry, precision=precision)
+    read = _after_previous(read, before, time, axis_name)
+    if reset is not None:
+      read = jnp.where(reset[..., None, None, None], jnp.zeros_like(read), read)
+  # Each token's own write, its current share.
+  o = (read + mix(pairs(q, k, now[..., None, None]), v)).astype(read.dtype)
   if not mimo:
     o = jnp.squeeze(o, time + 1)
   if not return_final_state:

@@ -24,6 +24,7 @@ from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention as _KimiD
 from ssmkit._src.layers.lru import LRU as _LRU
 from ssmkit._src.layers.mamba import Mamba as _Mamba
 from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
+from ssmkit._src.layers.mamba3 import Mamba3 as _Mamba3
 from ssmkit._src.layers.mingru import MinGRU as _MinGRU
 from ssmkit._src.layers.rglru import RGLRU as _RGLRU
 from ssmkit._src.layers.rwkv7 import RWKV7 as _RWKV7
@@ -174,6 +175,7 @@ S4D = front_end(_S4D)
 S5 = front_end(_S5)
 Mamba = front_end(_Mamba)
 Mamba2 = front_end(_Mamba2)
+Mamba3 = front_end(_Mamba3)
 GatedDeltaNet = front_end(_GatedDeltaNet)
 GatedDeltaProduct = front_end(_GatedDeltaProduct)
 KimiDeltaAttention = front_end(_KimiDeltaAttention)
