@@ -209,6 +209,8 @@ def test_bench_linear_attention_criteria_judge_the_auto_rows(monkeypatch):
       row("generalized_delta_rule", "ssmkit auto", 1.0, 30.0, 60),
       row("delta_product", "lax.scan", 1.0, 100.0, 1000),
       row("delta_product", "ssmkit auto", 1.0, 20.0, 50),
+      row("mamba3", "lax.scan", 1.0, 100.0, 1000),
+      row("mamba3", "ssmkit auto", 1.0, 10.0, 51),
       row("linear_attention", "lax.scan", 1.0, 1.0, 1, at=big, compile_s=2.0),
       row("linear_attention", "ssmkit auto", 0.9, 1.0, 1, at=big, compile_s=7.0),
   ]
@@ -217,6 +219,7 @@ def test_bench_linear_attention_criteria_judge_the_auto_rows(monkeypatch):
   assert verdicts == [
       True, True, False, True, True,  # fwd 1.1x the best; 11.1x faster; 0.25x; 0.09x, 0.05x
       True, True, False, False, True, True,  # kda 5.3x, 0.04x; dplr 3.3x, 0.06x; product 5x, 0.05x
+      True, False,  # mamba3 10x, 0.051x
       False, True, True,  # auto fwd over lax.scan's: 1.1x, 1.02x, 0.9x
       False,  # compile 3.5x
   ]

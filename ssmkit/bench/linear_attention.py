@@ -6,7 +6,8 @@ gradient of sum(o * w) with respect to every input (w ~ N(0, 1)) are timed, and 
 temporary memory and compile time of the gradient are reported. The functions:
 `linear_attention` and `delta_rule` with one decay per head, `kda` (`delta_rule` with one
 decay per key channel), `generalized_delta_rule` (RWKV-7's a = -kappa, b = kappa * alpha,
-one decay per key channel) and `delta_product` (two steps per token, one decay per head).
+one decay per key channel), `delta_product` (two steps per token, one decay per head) and
+`mamba3` (SISO, steps dt ~ U(0.01, 0.3), lambda ~ U(0, 1), K / 4 rotary angles).
 The baselines are what a user writes by hand: one plain `lax.scan` over the (K, V) state,
 differentiated by autodiff, and, for linear attention, the quadratic masked-attention form
 (skipped where its T x T matrices would pass `_QUADRATIC_MAX_BYTES`) and the chunkwise form
@@ -26,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ssmkit._src.matrix_state.mamba3 import rotate
 from ssmkit.bench import _timing
-from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention
+from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention, mamba3
 
 Array = jax.Array
 
@@ -138,6 +140,27 @@ def _scan_delta_product(q, k, v, g, beta):
   return _plain_scan(step, q, v, k, g, beta)
 
 
+def _scan_mamba3(q, k, v, g, dt, lam, rate):
+  """Mamba-3's step as state-spaces/mamba's `mamba3_siso_step_ref` writes it, in a `lax.scan`."""
+
+  def step(carry, x):
+    s, theta, k_prev, v_prev = carry
+    q_t, k_t, v_t, g_t, dt_t, lam_t, rate_t = x
+    theta = theta + rate_t
+    q_t, k_t = rotate(q_t, theta, "interleaved"), rotate(k_t, theta, "interleaved")
+    outer = lambda a, b, w: w[..., None, None] * a[..., :, None] * b[..., None, :]
+    s = (jnp.exp(g_t)[..., None, None] * (s + outer(k_prev, v_prev, (1 - lam_t) * dt_t))
+         + outer(k_t, v_t, lam_t * dt_t))
+    return (s, theta, k_t, v_t), jnp.einsum("bhk,bhkv->bhv", q_t, s)
+
+  batch, _, heads, dim = q.shape
+  start = (jnp.zeros((batch, heads, dim, v.shape[-1]), q.dtype),
+           jnp.zeros((batch, heads, rate.shape[-1]), q.dtype), jnp.zeros_like(q[:, 0]),
+           jnp.zeros_like(v[:, 0]))
+  _, o = lax.scan(step, start, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, dt, lam, rate)))
+  return jnp.moveaxis(o, 0, 1)
+
+
 def _quadratic(q, k, v, g):
   """o_t = sum_{s<=t} exp(b_t - b_s) (q_t . k_s) v_s with b the cumulative log-decay."""
   b = jnp.moveaxis(jnp.cumsum(g, axis=1), 2, 1)  # (B, H, T)
@@ -190,9 +213,11 @@ _FUNCTIONS: dict[str, tuple[Method, Callable[[str], Method]]] = {
         lambda q, k, v, g, a, b: generalized_delta_rule(q, k, v, a, b, g, mode=mode))),
     "delta_product": (_scan_delta_product, lambda mode: lambda q, k, v, g, beta: delta_product(
         q, k, v, beta, g, mode=mode)),
+    "mamba3": (_scan_mamba3, lambda mode: lambda q, k, v, g, dt, lam, rate: mamba3(
+        q, k, v, g, dt, lam, rate, mode=mode)),
 }
 FUNCTIONS = tuple(_FUNCTIONS)
-NEWER = ("kda", "generalized_delta_rule", "delta_product")  # not run at the longest shape
+NEWER = ("kda", "generalized_delta_rule", "delta_product", "mamba3")  # not at the longest shape
 _PRODUCTS = 2  # delta_product's steps per token
 
 
@@ -225,6 +250,13 @@ def _inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...],
   if function == "generalized_delta_rule":
     alpha = jax.random.uniform(keys[6], dims)
     return (q, k, v, g, -k, k * alpha), w
+  if function == "mamba3":
+    dt = -g  # in [0.01, 0.3]
+    lam = jax.random.uniform(keys[6], dt.shape)
+    a = jax.random.uniform(keys[4], dt.shape, minval=0.5, maxval=2.0)
+    angles = max(1, shape.dim // 4)
+    rate = dt[..., None] * jnp.pi * jnp.tanh(jax.random.normal(keys[1], (*dt.shape, angles)))
+    return (q, k, v, -a * dt, dt, lam, rate), w
   return (q, k, v, g, beta), w
 
 

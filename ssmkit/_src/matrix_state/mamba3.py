@@ -97,10 +97,9 @@ def rotate(x: Array, angle: Array, layout: str) -> Array:
   n, s = x.shape[-1], angle.shape[-1]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   if layout == "interleaved":
-    pairs = x.reshape(*x.shape[:-1], n // 2, 2)
-    first, second, rest = pairs[..., :s, 0], pairs[..., :s, 1], pairs[..., s:, :]
+    first, second = x[..., 0:2 * s:2], x[..., 1:2 * s:2]
     turned = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
-    return jnp.concatenate([turned, rest], axis=-2).reshape(x.shape)
+    return jnp.concatenate([turned.reshape(*x.shape[:-1], 2 * s), x[..., 2 * s:]], axis=-1)
   half = n // 2
   first, second = x[..., :s], x[..., half:half + s]
   return jnp.concatenate([first * cos - second * sin, x[..., s:half],
