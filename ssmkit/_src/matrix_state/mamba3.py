@@ -190,11 +190,12 @@ def mamba3(
   `reset` starts a new sequence: S, theta and the previous token are dropped.
 
   This is `linear_attention` with each token's key scaled by lambda_t dt_t plus the next
-  token's (1 - lambda_{t+1}) dt_{t+1}, and a per-token correction of the ranks' reads of
-  each other (and of the next token's share, not yet written); so every mode, streaming
-  and `axis_name` work as there (the next token's weight and the last token's key and value
-  cross devices by `ppermute` and `psum`). The D skip, gates and projections are the layer's
-  (`ssmkit.layers.Mamba3`).
+  token's (1 - lambda_{t+1}) dt_{t+1} and each token's state read by the next token's query
+  (no token reads its own write, which would cancel in float32), plus each token's own
+  current share and, with R ranks, the rows' writes to each other; so every mode, streaming
+  and `axis_name` work as there (the next token's share and query, the previous token's read
+  and the last token's key and value cross devices by `ppermute` and `psum`). The D skip,
+  gates and projections are the layer's (`ssmkit.layers.Mamba3`).
 
   Args:
     q: `(..., T, H, N)` queries (C), or `(..., T, R, H, N)` with R ranks (MIMO).
@@ -296,12 +297,12 @@ def mamba3(
       precision=precision, check_log_decay=False)
   read, final = out if return_final_state else (out, None)
   read = read.reshape(v.shape)
-  # Interleaved, the read of rank r came before the writes of ranks > r of its token.
-  upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (v.ndim - 2) + (ranks,) * 2)
   pairs = lambda a, b, w: jnp.einsum("...rhn,...shn->...hrs", a, b, precision=precision,
                                      preferred_element_type=dtype) * w
   mix = lambda w, x: jnp.einsum("...hrs,...shp->...rhp", w, x.astype(dtype), precision=precision)
-  read = read + mix(pairs(ahead, k, jnp.where(upper, (now + later)[..., None, None], 0)), v)
+  if ranks > 1:  # interleaved, the read of row r came before the writes of rows > r
+    upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (v.ndim - 2) + (ranks,) * 2)
+    read = read + mix(pairs(ahead, k, jnp.where(upper, (now + later)[..., None, None], 0)), v)
   if length:
     before = jnp.einsum("...rhn,...hnp->...rhp", first(reading), entry, precision=precision)
     read = _after_previous(read, before, time, axis_name)
