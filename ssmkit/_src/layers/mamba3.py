@@ -89,7 +89,8 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Mamba3State:
 
 def decay_rate(a: Array, floor: float) -> Array:
   """A = min(-h(a), -floor) with the heavy-tailed h(a) = 1 + a for a >= 0, 1 / (1 - a) below:
-  the reference's data-dependent A, which neither vanishes nor saturates."""
+  the reference's data-dependent A (since 2026-06; softplus before), whose magnitude falls
+  only as 1 / |a| for negative a and never below `floor`."""
   heavy = jnp.maximum(a, 0) + 1 / (1 - jnp.minimum(a, 0))
   return jnp.minimum(-heavy, -floor)
 
