@@ -160,6 +160,18 @@ def test_nan_before_a_reset_reaches_nothing_after_it(name):
       _assert_close(grads[n][25:], clean[n][25:])
 
 
+def test_bfloat16_inputs_give_bfloat16_outputs_close_to_float32():
+  x = _inputs(np.random.default_rng(11), 2, (), 20)
+  x = {n: v if n in ("reset", "initial_state") else v.astype(np.float32) for n, v in x.items()}
+  x["initial_state"] = Mamba3State(*(s.astype(np.float32) for s in x["initial_state"]))
+  low = {n: v.astype(jnp.bfloat16) if n in ("q", "k", "v") else v for n, v in x.items()}
+  out, final = _call(low, 2, "halves", mode="chunked")
+  assert out.dtype == jnp.bfloat16 and final.state.dtype == jnp.float32
+  expected, _ = _call(x, 2, "halves", mode="chunked")
+  error = np.linalg.norm(np.asarray(out, np.float32) - expected) / np.linalg.norm(expected)
+  assert error < 2e-2, error
+
+
 @pytest.mark.parametrize(("change", "match"), [
     (dict(q=np.zeros((5, 3, 6))), "`q` must be"),
     (dict(k=np.zeros((5, 2, 5))), "`k` must"),

@@ -217,8 +217,8 @@ def mamba3(
     precision: precision of the matrix products (`jax.lax.Precision`).
 
   Returns:
-    `o`, `v`'s shape but for P; with `return_final_state`, `(o, Mamba3State)` in the
-    accumulation dtype.
+    `o`, `v`'s shape, in the dtype of q, k and v (bfloat16 inputs accumulate in float32);
+    with `return_final_state`, `(o, Mamba3State)`, the state in the accumulation dtype.
 
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
@@ -248,6 +248,7 @@ def mamba3(
   if not mimo:  # one rank
     q, k, v = (jnp.expand_dims(x, time + 1) for x in (q, k, v))
   ranks, length = q.shape[time + 1], q.shape[time]
+  out_dtype = jnp.result_type(q, k, v)
   dtype = accumulation_dtype(jnp.result_type(q, k, v, log_decay, step_size, trapezoid))
   heads = log_decay.shape
   zeros = lambda *shape: jnp.zeros(shape, dtype)
@@ -309,7 +310,7 @@ def mamba3(
     if reset is not None:
       read = jnp.where(reset[..., None, None, None], jnp.zeros_like(read), read)
   # Each token's own write, its current share.
-  o = (read + mix(pairs(q, k, now[..., None, None]), v)).astype(read.dtype)
+  o = (read + mix(pairs(q, k, now[..., None, None]), v)).astype(out_dtype)
   if not mimo:
     o = jnp.squeeze(o, time + 1)
   if not return_final_state:
