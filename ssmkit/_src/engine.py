@@ -232,6 +232,15 @@ def axis_position(axis_name: Hashable) -> tuple[jax.Array, int]:
   return lax.axis_index(axis_name), size
 
 
+def from_device(x: jax.Array, holder: jax.Array, axis_name: Hashable) -> jax.Array:
+  """`x` as the device where `holder` is True has it, on every device of the mesh axis.
+
+  A sum of that device's `x` alone: a value replicated over the axis (an `out_specs=P()`
+  output) whose cotangent is counted once, also under `shard_map(check_vma=False)`.
+  """
+  return lax.psum(jnp.where(holder, x, jnp.zeros_like(x)), axis_name)
+
+
 def with_next_slice(x: jax.Array, x_next: jax.Array, steps: int, axis: int, axis_name: Hashable
                     ) -> jax.Array:
   """`x` with its last `steps` steps replaced by the first `steps` of the next device's `x_next`.

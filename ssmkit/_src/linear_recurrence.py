@@ -14,7 +14,13 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ssmkit._src import checks
-from ssmkit._src.engine import axis_position, reduce_leading, scan_along, vary_alike
+from ssmkit._src.engine import (
+    axis_position,
+    from_device,
+    reduce_leading,
+    scan_along,
+    vary_alike,
+)
 from ssmkit._src.modes import Inner, Mode, parse_inner, parse_mode, resolve_mode
 from ssmkit._src.operators import affine, with_resets
 
@@ -275,10 +281,8 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
     return h_next, h
 
   h_final, carries = lax.scan(compose, jnp.zeros_like(maps[1][0]), maps, reverse=cfg.reverse)
-  # Every device composed the same final state. Summing device 0's alone makes it a value
-  # replicated over the mesh axis (an `out_specs=P()` output) whose cotangent is counted
-  # once, also under `shard_map(check_vma=False)`.
-  h_final = lax.psum(jnp.where(index == 0, h_final, jnp.zeros_like(h_final)), axis_name)
+  # Every device composed the same final state: device 0's is the one to return.
+  h_final = from_device(h_final, index == 0, axis_name)
   if not states:
     return h_final
   carry = carries[index] if h0 is None else jnp.where(entry, h0, carries[index])

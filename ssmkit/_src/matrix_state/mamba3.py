@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.engine import axis_position, with_next_slice
+from ssmkit._src.engine import axis_position, from_device, with_next_slice
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
 from ssmkit._src.matrix_state.delta_product import at_step, interleave
 from ssmkit._src.matrix_state.linear_attention import linear_attention
@@ -146,14 +146,6 @@ def _after_previous(x: Array, first: Array, axis: int, axis_name: Hashable | Non
     first = jnp.where(index == 0, first, received)
   return jnp.concatenate([jnp.expand_dims(first, axis),
                           lax.slice_in_dim(x, 0, x.shape[axis] - 1, axis=axis)], axis)
-
-
-def _from_last_device(x: Array, axis_name: Hashable | None) -> Array:
-  """`x` as the device holding the last slice has it, on every device."""
-  if axis_name is None:
-    return x
-  index, size = axis_position(axis_name)
-  return lax.psum(jnp.where(index == size - 1, x, jnp.zeros_like(x)), axis_name)
 
 
 def mamba3(
@@ -317,8 +309,11 @@ def mamba3(
     return o
   key, value = start.key, start.value
   if length:
-    key, value = (_from_last_device(lax.index_in_dim(x, length - 1, time, keepdims=False).astype(
-        dtype), axis_name) for x in (k, v))
+    key, value = (lax.index_in_dim(x, length - 1, time, keepdims=False).astype(dtype)
+                  for x in (k, v))
+    if axis_name is not None:  # the last slice's
+      index, size = axis_position(axis_name)
+      key, value = (from_device(x, index == size - 1, axis_name) for x in (key, value))
   if not mimo:
     key, value = jnp.squeeze(key, time), jnp.squeeze(value, time)
   return o, Mamba3State(final, angle, key, value)

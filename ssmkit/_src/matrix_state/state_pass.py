@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src.engine import axis_position
+from ssmkit._src.engine import axis_position, from_device
 
 Array = jax.Array
 
@@ -135,7 +135,6 @@ def across_devices(
 
   final, incoming = lax.scan(body, jnp.zeros_like(gathered.u[0]), gathered)
   entering = jnp.where(entry, state, incoming[index])
-  # Every device composed the same final state; summing device 0's alone makes it a value
-  # replicated over the mesh axis whose cotangent is counted once.
-  final = lax.psum(jnp.where(entry, final, jnp.zeros_like(final)), axis_name)
+  # Every device composed the same final state: the entry device's is the one to return.
+  final = from_device(final, entry, axis_name)
   return entering, final
