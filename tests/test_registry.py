@@ -14,7 +14,8 @@ from ssmkit._src.layers.registry import LAYERS
 
 TESTS = Path(__file__).parent
 # The modules whose tests take a layer as a parameter.
-CONTRACTS = ["test_layers.py", "test_nnx.py", "test_models.py", "test_train.py"]
+CONTRACTS = ["test_layers.py", "test_nnx.py", "test_models.py", "test_train.py",
+             "test_layer_sequence_parallel.py"]
 
 
 def _layers_of(node_id: str) -> set[str]:

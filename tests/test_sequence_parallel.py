@@ -350,30 +350,6 @@ def test_gae_across_devices_with_time_on_axis_1():
 
 
 # ---------------------------------------------------------------------------------------------
-# ssmkit.layers.LRU
-
-
-def test_lru_across_devices_equals_one_device_with_gradients():
-  layer = layers.LRU(d_state=4, param_dtype=jnp.float64)
-  rng = np.random.default_rng(70)
-  x = rng.normal(size=(2, 16, 3))
-  reset = rng.uniform(size=(2, 16)) < 0.15
-  state = jnp.asarray(rng.normal(size=(2, 4)) + 1j * rng.normal(size=(2, 4)), jnp.complex64)
-  params = jax.jit(layer.init)(jax.random.key(0), x)
-
-  def apply(params, x, reset, state, axis_name=None):
-    return layer.apply(params, x, reset, initial_state=state, return_state=True,
-                       axis_name=axis_name)
-
-  time = P(None, "seq")
-  sharded = _sharded(functools.partial(apply, axis_name="seq"), (P(), time, time, P()), (time, P()))
-  out, grads = _outputs_and_grads(sharded, (0, 1), params, x, reset, state)
-  expected, expected_grads = _outputs_and_grads(apply, (0, 1), params, x, reset, state)
-  _assert_trees_close(out, expected)
-  _assert_trees_close(grads, expected_grads)
-
-
-# ---------------------------------------------------------------------------------------------
 # errors
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -54,11 +55,13 @@ def _read(params: dict[str, Array], h: Array, x: Array) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: Array | None = None) -> tuple[Array, Array]:
+             initial_state: Array | None = None, axis_name: Hashable | None = None
+             ) -> tuple[Array, Array]:
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   xf = x.astype(accumulation_dtype(x.dtype))
   a, b = _parts(params, xf)
-  h, last = linear_recurrence(a, b, state, reset=reset, axis=-2, mode=mode, return_final_state=True)
+  h, last = linear_recurrence(a, b, state, reset=reset, axis=-2, mode=mode, return_final_state=True,
+                              axis_name=axis_name)
   return _read(params, h, xf).astype(x.dtype), last
 
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
+from ssmkit._src.engine import axis_position, from_device, vary_alike
 from ssmkit._src.linear_recurrence import linear_recurrence, nonzero_tangents, output_and_state_dtypes
+from ssmkit._src.matrix_state import state_pass
 from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array
@@ -111,6 +114,37 @@ def _materialised(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> tup
   return y, last
 
 
+def _last_state(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> Array:
+  """The state after the steps of `xs` from `h0`, without outputs; the gradient recomputes one
+  chunk's states at a time."""
+
+  @jax.checkpoint
+  def chunk(h, inputs):
+    (u, dt, b, c), reset = inputs
+    del c
+    steps = (u, dt, b, jnp.zeros_like(b), reset)
+    return lax.scan(lambda h, x_t: (_step(a_t, h, *x_t)[0], None), h, steps)[0], None
+
+  return lax.scan(chunk, h0, (xs, reset))[0]
+
+
+def _across_devices(run, a_t: Array, h0: Array, xs: Chunks, reset: Array | None,
+                    axis_name: Hashable) -> tuple[Array, Array]:
+  """`run` over this device's slice of time along the mesh axis `axis_name`, from the state
+  that the slices before it leave, and the state after the whole sequence.
+
+  Each slice is summarised by the map h -> exp(a sum(dt)) h + h_slice it applies (h_slice:
+  its last state from zero; h -> h_slice when a reset cuts it), the maps are combined
+  across devices (`state_pass.across_devices`), and the slice runs once from its carry.
+  """
+  h0, xs, reset = vary_alike((h0, xs, reset))
+  flags = None if reset is None else jnp.any(reset, axis=(0, 1))
+  total = jnp.exp(jnp.sum(xs[1], axis=(0, 1))[:, None, :] * a_t[None])
+  own = state_pass.Maps(total, _last_state(a_t, jnp.zeros_like(h0), xs, reset), flags)
+  entering, last = state_pass.across_devices(own, h0, matrix=False, axis_name=axis_name)
+  return run(a_t, entering, xs, reset)[0], last
+
+
 def _resolve(mode: Mode, length: int) -> Mode:
   """`auto`: the fused loop on CPU (the fastest there) and for T <= 64, else chunked.
 
@@ -133,6 +167,7 @@ def selective_scan(
     reset: Array | None = None,
     chunk_size: int | None = None,
     mode: str | Mode = "auto",
+    axis_name: Hashable | None = None,
 ) -> tuple[Array, Array]:
   """Mamba's selective scan: y_t = sum_n h_t[:, n] c_t[n] with
   h_t = exp(dt_t[:, None] * a) * h_{t-1} + (dt_t * u_t)[:, None] * b_t[None, :].
@@ -157,6 +192,12 @@ def selective_scan(
       recurrence through `lax.associative_scan` and carries the state from chunk to chunk;
       "parallel" does so over the whole sequence as one chunk (`chunk_size` unused, T
       states in memory). "auto" is "sequential" on CPU and for T <= 64, else "chunked".
+    axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis of `u`, `dt`,
+      `b`, `c` and `reset` split over the mesh axis of this name (consecutive slices of equal
+      length in mesh order), each device returns its slice of the outputs of the whole
+      sequence, and the state after its last step, the same on every device. `h0` is read
+      on the device holding the first slice. Each slice's state map crosses devices, one
+      `(..., D, N)` state each; the slice is scanned twice (once for its map).
 
   Returns:
     `(y, last_state)`: `(..., T, D)` outputs and the `(..., D, N)` state after the last
@@ -189,10 +230,14 @@ def selective_scan(
     checks.check_bool(reset, "reset")
     checks.check_shape(reset, u.shape[:-1], "reset", "`u` without its feature axis")
   checks.check_chunk_size(chunk_size)
+  if axis_name is not None:
+    axis_position(axis_name)
   mode = _resolve(parse_mode(mode), length)
   dtype, acc = output_and_state_dtypes(jnp.result_type(u, dt, a, b, c), h0)
   h0 = jnp.zeros((*batch, d, n), acc) if h0 is None else h0.astype(acc)
   if length == 0:
+    if axis_name is not None:
+      h0 = from_device(h0, axis_position(axis_name)[0] == 0, axis_name)
     return jnp.zeros(u.shape, dtype), h0
 
   steps = length if mode is Mode.PARALLEL else min(chunk_size or default_chunk_size(length), length)
@@ -210,6 +255,10 @@ def selective_scan(
   flags = None if reset is None else split(reset[..., None])[..., 0]
   state = jnp.swapaxes(h0.reshape(flat, d, n), 1, 2)
   run = _fused if mode is Mode.SEQUENTIAL else _materialised
-  y, last = run(jnp.transpose(a).astype(acc), state, xs, flags)
+  a_t = jnp.transpose(a).astype(acc)
+  if axis_name is None:
+    y, last = run(a_t, state, xs, flags)
+  else:
+    y, last = _across_devices(run, a_t, state, xs, flags, axis_name)
   y = jnp.moveaxis(y.reshape(chunks * steps, flat, d)[:length], 0, 1).reshape(u.shape)
   return y.astype(dtype), jnp.swapaxes(last, 1, 2).reshape(h0.shape)

@@ -5,6 +5,7 @@ fixed capacity as its state."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssmkit._src.engine import axis_position, from_device
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.norms import rms_norm
@@ -145,8 +147,10 @@ class _Keys(NamedTuple):
   valid: Array  # (B, S) bool
 
 
-def _blockwise(cfg: Any, q: Array, document: Array, keys: _Keys) -> Array:
-  """Attention of `(B, T, N, D)` queries at steps 0..T-1 over `keys`, block by block."""
+def _blockwise(cfg: Any, q: Array, first_step: Array, document: Array, keys: _Keys,
+               keys_before: Array | int) -> Array:
+  """Attention of `(B, T, N, D)` queries at steps `first_step` + 0..T-1 over `keys`, block by
+  block; the first query's own key is entry `keys_before` of `keys`."""
   length = q.shape[1]
   block = min(length, BLOCK)
   count = -(-length // block)
@@ -158,8 +162,8 @@ def _blockwise(cfg: Any, q: Array, document: Array, keys: _Keys) -> Array:
   document = jnp.pad(document, ((0, 0), (0, pad)), constant_values=-1)
 
   def one(start: Array) -> Array:
-    steps = start + jnp.arange(block)
-    first = jnp.clip(start + block - span + (keys.k.shape[1] - length), 0, keys.k.shape[1] - span)
+    steps = first_step + start + jnp.arange(block)
+    first = jnp.clip(start + block - span + keys_before, 0, keys.k.shape[1] - span)
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, span, axis=1)
     key_step = jax.lax.dynamic_slice_in_dim(keys.step, first, span)
     doc = jax.lax.dynamic_slice_in_dim(document, start, block, axis=1)
@@ -167,7 +171,7 @@ def _blockwise(cfg: Any, q: Array, document: Array, keys: _Keys) -> Array:
     mask = mask & (key_step[None, None, :] <= steps[None, :, None])
     if cfg.window is not None:
       mask = mask & (key_step[None, None, :] > steps[None, :, None] - cfg.window)
-    # Padding queries (document -1) see no key: give them their own step so no row is empty.
+    # Padding queries (document -1) see no key: give them one key each so no row is empty.
     mask = mask | ((doc < 0)[:, :, None] & (key_step == key_step[-1])[None, None, :])
     return _attend(cfg, jax.lax.dynamic_slice_in_dim(q, start, block, axis=1), take(keys.k),
                    take(keys.v), mask)
@@ -179,14 +183,107 @@ def _blockwise(cfg: Any, q: Array, document: Array, keys: _Keys) -> Array:
   return out[:, :length]
 
 
-def _clean(x: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
-  """`x` with non-finite entries zeroed, and flags of the steps that had one."""
-  finite = jnp.isfinite(x)
-  return jnp.where(finite, x, 0), ~jnp.all(finite, axis=axes)
+def _non_finite(x: Array) -> Array:
+  """`(B, T)` flags of the steps of `(B, T, heads, D)` `x` with a non-finite entry."""
+  return ~jnp.all(jnp.isfinite(x), axis=(2, 3))
+
+
+def _zeroed(x: Array) -> Array:
+  """`x` with its non-finite entries zeroed."""
+  return jnp.where(jnp.isfinite(x), x, 0)
+
+
+class _Slice(NamedTuple):
+  """Where this device's slice of time lies in the whole sequence (one device: all of it).
+
+  Attributes:
+    offset: the step of the slice's first step.
+    document: `(B, T)` the resets at or before each step, counted from the sequence's start.
+    last_reset: `(B, T)` the step of the last reset at or before each step, -1 if none.
+    flagged_before: `(B,)` the last step before the slice with a non-finite key or value,
+      the int32 minimum if none (the cache's entries are not counted here).
+  """
+
+  offset: Array
+  document: Array
+  last_reset: Array
+  flagged_before: Array
+
+
+_LOWEST = np.iinfo(np.int32).min
+
+
+def _earlier(values: Array, axis_name: Hashable | None, combine, empty) -> Array:
+  """`combine` over the `(B,)` `values` of the devices before this one along `axis_name`."""
+  if axis_name is None:
+    return jnp.full_like(values, empty)
+  index, size = axis_position(axis_name)
+  every = jax.lax.all_gather(values, axis_name)
+  before = (jnp.arange(size) < index).reshape(size, *(1,) * values.ndim)
+  return combine(jnp.where(before, every, empty), axis=0)
+
+
+def _locate(reset: Array, flagged: Array, axis_name: Hashable | None) -> _Slice:
+  """This slice's place in the whole sequence, from each slice's resets and flagged keys."""
+  length = reset.shape[1]
+  offset = jnp.int32(0) if axis_name is None else axis_position(axis_name)[0] * length
+  step = offset + jnp.arange(length, dtype=jnp.int32)
+  document = jnp.cumsum(reset, axis=-1, dtype=jnp.int32)
+  document = document + _earlier(document[:, -1], axis_name, jnp.sum, 0)[:, None]
+  last_reset = jax.lax.cummax(jnp.where(reset, step[None], -1), axis=1)
+  last_reset = jnp.maximum(last_reset, _earlier(last_reset[:, -1], axis_name, jnp.max, -1)[:, None])
+  latest = jnp.max(jnp.where(flagged, step[None], _LOWEST), axis=1)
+  return _Slice(offset, document, last_reset, _earlier(latest, axis_name, jnp.max, _LOWEST))
+
+
+def _time_axis(a: Array) -> int:
+  """The time axis of a field of `_Keys`: 0 of `step`, 1 of the `(B, S, ...)` others."""
+  return 0 if a.ndim == 1 else 1
+
+
+def _join(*parts: _Keys) -> _Keys:
+  """The keys of `parts` one after another."""
+  return _Keys(*(jnp.concatenate(fields, axis=_time_axis(fields[0]))
+                 for fields in zip(*parts, strict=True)))
+
+
+def _visible(cfg: Any, own: _Keys, cache: _Keys | None, axis_name: Hashable | None
+             ) -> tuple[_Keys, Array | int]:
+  """The keys this slice's queries may read: the cache's (if any), every earlier slice's and
+  its own, in step order, and the index of its first step among them.
+
+  Global attention all-gathers every slice's keys and values (the later ones masked); local
+  attention receives only the slices its window reaches back into, each by one `ppermute`,
+  and where such a slice would lie before the sequence, the cache's entries stand in for it.
+  """
+  entries = 0 if cache is None else cache.k.shape[1]
+  if axis_name is None:
+    return (own, 0) if cache is None else (_join(cache, own), entries)
+  index, size = axis_position(axis_name)
+  length = own.k.shape[1]
+  if cfg.window is None:
+    every = _Keys(*(jax.lax.all_gather(a, axis_name, axis=_time_axis(a), tiled=True) for a in own))
+    return (every if cache is None else _join(cache, every)), index * length + entries
+  reach = 0 if length == 0 else min(size - 1, math.ceil((cfg.window - 1) / length))
+  # The cache as the steps -reach * length .. -1, invalid where it has no entry.
+  pad = max(0, reach * length - entries)
+  padded = [jnp.pad(a, [(0, 0), (pad, 0)] + [(0, 0)] * (a.ndim - 2))[:, -reach * length:]
+            for a in (cache.k, cache.v, cache.document, cache.valid)]
+  pieces = []
+  for back in range(reach, 0, -1):
+    received = [jax.lax.ppermute(a, axis_name, [(j, j + back) for j in range(size - back)])
+                for a in (own.k, own.v, own.document, own.valid)]
+    start = jnp.clip(index - back + reach, 0, reach - 1) * length
+    k, v, document, valid = (
+        jnp.where(index >= back, r, jax.lax.dynamic_slice_in_dim(c, start, length, axis=1))
+        for r, c in zip(received, padded, strict=True))
+    pieces.append(_Keys(k, v, own.step - back * length, document, valid))
+  return _join(*pieces, own), reach * length
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: AttentionState | None = None) -> tuple[Array, AttentionState]:
+             initial_state: AttentionState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, AttentionState]:
   """Attention over `(..., T, H)` inputs (`mode` unused: one form): `(y, cache after the last step)`."""
   del mode
   *batch, length, features = x.shape
@@ -195,7 +292,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   rows = math.prod(batch)
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   state = jax.tree.map(lambda s: s.reshape((rows, *s.shape[len(batch):])), state)
-  if length == 0:
+  if length == 0 and axis_name is None:
     unflat = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), state)
     return jnp.zeros(x.shape, x.dtype), unflat
   xf = x.reshape(rows, length, features)
@@ -211,64 +308,70 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   q, k, v = project("q", heads), project("k", kv), project("v", kv)
   if cfg.qk_norm:
     q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
-  step = jnp.arange(length, dtype=jnp.int32)
-  document = jnp.cumsum(reset, axis=-1, dtype=jnp.int32)
-  last_reset = jax.lax.cummax(jnp.where(reset, step[None], -1), axis=1)
-  positions = jnp.where(last_reset >= 0, step[None] - last_reset, state.position[:, None] + step[None])
+  flagged = _non_finite(k) | _non_finite(v)
+  where = _locate(reset, flagged, axis_name)
+  step = where.offset + jnp.arange(length, dtype=jnp.int32)
+  positions = jnp.where(where.last_reset >= 0, step[None] - where.last_reset,
+                        state.position[:, None] + step[None])
   width = _rotary_width(cfg, head_dim)
   q, k = rotary(q, positions, width, cfg.rope_base), rotary(k, positions, width, cfg.rope_base)
 
-  # The cache's entries precede the sequence; without a given state there are none to read.
-  cache_k, cache_v = jnp.concatenate([state.k, k], axis=1), jnp.concatenate([state.v, v], axis=1)
-  if initial_state is None:
-    keys = _Keys(k, v, step, document, jnp.ones((rows, length), bool))
-  else:
-    keys = _Keys(cache_k, cache_v, jnp.arange(-size, length, dtype=jnp.int32),
-                 jnp.concatenate([jnp.zeros((rows, size), jnp.int32), document], axis=1),
-                 jnp.concatenate([state.valid, jnp.ones((rows, length), bool)], axis=1))
+  own = _Keys(k, v, step, where.document, jnp.ones((rows, length), bool))
+  # The cache's entries precede the sequence; without a given state there are none to read,
+  # but local attention across devices reads its (then invalid) entries in place of slices.
+  cache = _Keys(state.k, state.v, jnp.arange(-size, 0, dtype=jnp.int32),
+                jnp.zeros((rows, size), jnp.int32), state.valid)
+  if initial_state is None and (axis_name is None or cfg.window is None):
+    cache = None
+  keys, before = _visible(cfg, own, cache, axis_name)
+  flagged_cache = jnp.max(jnp.where((_non_finite(state.k) | _non_finite(state.v)) & state.valid,
+                                    jnp.arange(-size, 0, dtype=jnp.int32)[None], _LOWEST), axis=1)
+  # The cache after the last step: the last `size` steps of the cache and the sequence, valid
+  # where in the last document; on the device holding the last slice, which sees them all.
+  last_doc = where.document[:, -1:] if length else jnp.zeros((rows, 1), jnp.int32)
+  kept = state.valid & (last_doc == 0)
+  tail = lambda a, b: jnp.concatenate([a, b], axis=1)[:, -size:]
+  final = AttentionState(tail(state.k, keys.k), tail(state.v, keys.v),
+                         tail(kept, keys.valid & (keys.document == last_doc)),
+                         positions[:, -1] + 1 if length else state.position)
   # A non-finite query, key or value is zeroed before the products, and the outputs that read
   # it are set to NaN after: inside a product, a masked NaN would meet its zero weight as
   # 0 * NaN and reach every query, values and gradients.
-  q_clean, bad_query = _clean(q, (2, 3))
-  k_clean, bad_k = _clean(keys.k, (2, 3))
-  v_clean, bad_v = _clean(keys.v, (2, 3))
-  flagged = (bad_k | bad_v) & keys.valid
-  cached = None if initial_state is None else flagged[:, :size]
-  poisoned = bad_query | _reads(cfg, last_reset, flagged[:, -length:], cached)
-  out = _blockwise(cfg, q_clean, document, keys._replace(k=k_clean, v=v_clean))
+  keys = keys._replace(k=_zeroed(keys.k), v=_zeroed(keys.v))
+  poisoned = _non_finite(q) | _reads(cfg, step, where, flagged, flagged_cache)
+  q = _zeroed(q)
+  out = _blockwise(cfg, q, where.offset, where.document, keys, before)
   out = jnp.where(poisoned[..., None, None], jnp.nan, out)
   y = common.project(out.reshape(rows, length, heads * head_dim), params["o_proj"], dtype)
   if "o_bias" in params:
     y = y + common.leading_ones(params["o_bias"], y.ndim)
 
-  # The cache after the last step: its last `size` steps, valid where in the last document.
-  last_doc = document[:, -1:]
-  kept = state.valid & (last_doc == 0)
-  valid = jnp.concatenate([kept, document == last_doc], axis=1)[:, length:]
-  final = AttentionState(cache_k[:, length:], cache_v[:, length:], valid, positions[:, -1] + 1)
+  if axis_name is not None:
+    index, devices = axis_position(axis_name)
+    holder = index == devices - 1
+    final = final._replace(valid=final.valid.astype(jnp.int32))
+    final = jax.tree.map(lambda s: from_device(s, holder, axis_name), final)
+    final = final._replace(valid=final.valid.astype(bool))
   final = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), final)
   return y.reshape(*batch, length, features).astype(x.dtype), final
 
 
-def _reads(cfg: Any, last_reset: Array, flagged: Array, flagged_cache: Array | None) -> Array:
+def _reads(cfg: Any, step: Array, where: _Slice, flagged: Array, flagged_cache: Array) -> Array:
   """`(B, T)`: the queries that attend to a flagged key, in O(T) memory.
 
   Args:
     cfg: the layer's configuration (its `window`).
-    last_reset: `(B, T)` the step of the last reset at or before each step, -1 if none.
-    flagged: `(B, T)` the sequence's flagged keys.
-    flagged_cache: `(B, C)` the cache's flagged valid entries (steps -C..-1), or None.
+    step: `(T,)` the queries' steps.
+    where: the slice's place in the sequence.
+    flagged: `(B, T)` the slice's flagged keys.
+    flagged_cache: `(B,)` the last of the cache's flagged valid entries (steps -C..-1), or
+      the int32 minimum.
   """
-  lowest = jnp.iinfo(jnp.int32).min
-  step = jnp.arange(flagged.shape[1], dtype=jnp.int32)
-  # The latest flagged key at or before each query, counted while in the query's document.
-  latest = jax.lax.cummax(jnp.where(flagged, step[None], lowest), axis=1)
-  latest = jnp.where(latest >= last_reset, latest, lowest)
-  if flagged_cache is not None:
-    cache_step = jnp.arange(-flagged_cache.shape[1], 0, dtype=jnp.int32)
-    cached = jnp.max(jnp.where(flagged_cache, cache_step[None], lowest), axis=1, initial=lowest)
-    latest = jnp.maximum(latest, jnp.where(last_reset < 0, cached[:, None], lowest))
-  reached = latest > lowest
+  latest = jax.lax.cummax(jnp.where(flagged, step[None], _LOWEST), axis=1)
+  latest = jnp.maximum(latest, jnp.maximum(where.flagged_before, flagged_cache)[:, None])
+  # Counted while in the query's document; the cache is in the first one.
+  start = jnp.where(where.last_reset >= 0, where.last_reset, _LOWEST + 1)
+  reached = latest >= start
   if cfg.window is not None:
     reached = reached & (latest > step[None] - cfg.window)
   return reached

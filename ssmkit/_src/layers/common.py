@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src import checks
+from ssmkit._src.engine import with_next_slice
 from ssmkit._src.linear_recurrence import accumulation_dtype
 
 Array = jax.Array
@@ -135,10 +136,12 @@ def check_step(x_t: Array, reset: Array | None) -> tuple[Array, Array | None]:
   return _check(x_t, reset, "x_t", "(*batch, features)", 1, "the batch shape of `x_t`")
 
 
-def shift_back(x: Array, axis: int) -> Array:
-  """x_{t+1} at t along `axis`, zero at the last step."""
+def shift_back(x: Array, axis: int, axis_name: Hashable | None = None) -> Array:
+  """x_{t+1} at t along `axis`, zero at the last step; with `axis_name`, of the whole sequence
+  split over that mesh axis (a slice's last step reads the next device's first)."""
   rest = jax.lax.slice_in_dim(x, 1, x.shape[axis], axis=axis)
-  return jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
+  shifted = jnp.concatenate([rest, jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
+  return shifted if axis_name is None else with_next_slice(shifted, x, 1, axis, axis_name)
 
 
 def check_state(state: Any, expected: Any, name: str) -> None:

@@ -5,7 +5,7 @@ the outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -83,16 +83,19 @@ def unit(x: Array) -> Array:
 
 
 def convolved(params: dict[str, Array], x: Array, names: Sequence[str], window: Array,
-              reset: Array | None, dtype) -> tuple[list[Array], Array]:
+              reset: Array | None, dtype, axis_name: Hashable | None = None
+              ) -> tuple[list[Array], Array]:
   """SiLU of the projections `params[name + "_proj"]` of `x`, each through its short causal
-  convolution `params[name + "_conv"]` (one convolution over all of them side by side).
+  convolution `params[name + "_conv"]` (one convolution over all of them side by side), across
+  the devices of the mesh axis `axis_name` as `causal_conv` describes.
 
   Returns:
     The convolved projections in the order of `names`, and the convolution's new window.
   """
   projected = [common.project(x, params[f"{name}_proj"], dtype) for name in names]
   kernel = jnp.concatenate([params[f"{name}_conv"] for name in names], axis=-1)
-  out, window = causal_conv(jnp.concatenate(projected, axis=-1), kernel, None, window, reset)
+  out, window = causal_conv(jnp.concatenate(projected, axis=-1), kernel, None, window, reset,
+                            axis_name)
   edges = np.cumsum([p.shape[-1] for p in projected])[:-1]
   return jnp.split(jax.nn.silu(out), edges, axis=-1), window
 

@@ -6,8 +6,9 @@ A layer's file provides, for any `cfg` object with the layer's configuration att
 
 - `param_specs(cfg, features) -> dict[str, ParamSpec]`: every parameter by name, for inputs
   of `features` channels; it checks the configuration.
-- `sequence(cfg, params, x, reset, mode, *, initial_state, **options) -> (y, final_state)`,
-  on inputs already checked (`run_sequence` checks them, and `initial_state`).
+- `sequence(cfg, params, x, reset, mode, *, initial_state, axis_name) -> (y, final_state)`,
+  on inputs already checked (`run_sequence` checks them, and `initial_state`); with
+  `axis_name`, the time axis is split over that mesh axis (see `LinenLayer.__call__`).
 - `step(cfg, params, state, x_t, reset) -> (state, y_t)`, on checked inputs and state.
 - `initialize_state(cfg, input_shape) -> state`.
 
@@ -17,7 +18,7 @@ The NNX front end (`ssmkit.nnx`) is made from the linen module, so both compute 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -37,7 +38,7 @@ class Maths(NamedTuple):
 
   Attributes:
     param_specs: `(cfg, features) -> dict[str, ParamSpec]`.
-    sequence: `(cfg, params, x, reset, mode, *, initial_state, **options) -> (y, state)`.
+    sequence: `(cfg, params, x, reset, mode, *, initial_state, axis_name) -> (y, state)`.
     step: `(cfg, params, state, x_t, reset) -> (state, y_t)`.
     initialize_state: `(cfg, input_shape) -> state`.
     final_state_on_request: `sequence` takes `return_state` and computes the final state
@@ -79,15 +80,14 @@ def _check_state(maths: Maths, cfg: Any, state: Any, input_shape: tuple[int, ...
 
 def run_sequence(maths: Maths, cfg: Any, params: Callable[[int], dict[str, Array]], x: Array,
                  reset: Array | None, mode: str | Mode, *, initial_state: Any, return_state: bool,
-                 options: Mapping[str, Any]) -> Any:
+                 axis_name: Hashable | None) -> Any:
   """A layer's `__call__` for either front end: inputs checked, then `maths.sequence`.
 
   Args:
     maths: the layer's functions.
     cfg: the layer's configuration.
     params: `params(features)`: the parameters for inputs of that width.
-    x, reset, mode, initial_state, return_state: as `LinenLayer.__call__`.
-    options: further keyword arguments of the layer's `sequence` (LRU: `axis_name`).
+    x, reset, mode, initial_state, return_state, axis_name: as `LinenLayer.__call__`.
 
   Returns:
     The outputs, or `(outputs, state)` with `return_state`.
@@ -95,9 +95,9 @@ def run_sequence(maths: Maths, cfg: Any, params: Callable[[int], dict[str, Array
   x, reset = common.check_sequence(x, reset)
   values = params(x.shape[-1])  # checks the configuration first
   _check_state(maths, cfg, initial_state, (*x.shape[:-2], x.shape[-1]), "initial_state")
-  if maths.final_state_on_request:
-    options = {**options, "return_state": return_state}
-  y, state = maths.sequence(cfg, values, x, reset, mode, initial_state=initial_state, **options)
+  options = {"return_state": return_state} if maths.final_state_on_request else {}
+  y, state = maths.sequence(cfg, values, x, reset, mode, initial_state=initial_state,
+                            axis_name=axis_name, **options)
   return (y, state) if return_state else y
 
 
@@ -128,7 +128,8 @@ class LinenLayer(nn.Module):
     return common.linen_params(self, self.maths.param_specs(self, features), self.param_dtype)
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Any = None, return_state: bool = False, **options: Any) -> Any:
+               initial_state: Any = None, return_state: bool = False,
+               axis_name: Hashable | None = None) -> Any:
     """Runs the whole sequence.
 
     Args:
@@ -140,13 +141,17 @@ class LinenLayer(nn.Module):
       initial_state: optional state to start from, as `initialize_state` or `step` make it;
         default zeros.
       return_state: also return the state after the last step.
-      **options: further keyword arguments of the layer (LRU: `axis_name`).
+      axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis of `x` and
+        `reset` split over the mesh axis of this name (consecutive slices of equal length in
+        mesh order) and the parameters replicated, each device returns its slice of the
+        outputs of the whole sequence. `initial_state` is read on the device holding the
+        first steps; the returned state is the whole sequence's, the same on every device.
 
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     return run_sequence(self.maths, self, self._params, x, reset, mode, initial_state=initial_state,
-                        return_state=return_state, options=options)
+                        return_state=return_state, axis_name=axis_name)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The zero state for inputs `(*batch, H)` of one step; needs no parameters."""

@@ -4,6 +4,7 @@ with the delta rule, computed chunkwise with matrix products."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -46,13 +47,15 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """Gated DeltaNet over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(delta_heads.zero_state, cfg, x, initial_state)
   k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
   heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   dtype = common.computation_dtype(x.dtype)
-  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
+  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype,
+                                                axis_name)
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
   # once and then repeated.
   q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
@@ -60,7 +63,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   g = delta_heads.head_decay(params, x)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
                     initial_state=state.recurrent, reset=reset, mode=mode,
-                    chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False)
+                    chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False,
+                    axis_name=axis_name)
   # The output gate after a per-head RMSNorm.
   gate = delta_heads.by_head(common.project(x, params["g_proj"], dtype), v_heads)
   y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.silu, dtype)

@@ -3,6 +3,7 @@ steps per token, a product of Householder transitions."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -52,13 +53,15 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentSta
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """Gated DeltaProduct over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
   n, heads, v_heads = cfg.num_householder, cfg.num_heads, delta_heads.value_heads(cfg)
   dtype = common.computation_dtype(x.dtype)
-  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
+  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype,
+                                                axis_name)
   # The n keys, values and strengths of a token are laid out step-major: (n, heads, channels).
   steps = lambda m, count: delta_heads.by_head(delta_heads.by_head(m, n), count)
   shared = lambda m: delta_heads.unit_heads(m, heads, v_heads)
@@ -67,7 +70,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   o, s = delta_product(shared(delta_heads.by_head(q, heads)) * k_dim**-0.5, shared(steps(k, heads)),
                        steps(v, v_heads), delta_heads.by_head(beta, n), g,
                        initial_state=state.recurrent, reset=reset, mode=mode,
-                       chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False)
+                       chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False,
+                       axis_name=axis_name)
   gate = delta_heads.by_head(common.project(x, params["g_proj"], dtype), v_heads)
   y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.silu, dtype)
   return y.astype(x.dtype), ConvRecurrentState(window, s)

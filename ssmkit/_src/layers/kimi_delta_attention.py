@@ -3,6 +3,7 @@ channel, computed chunkwise with matrix products."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -66,19 +67,21 @@ def log_decay(cfg: Any, params: dict[str, Array], x: Array) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """KDA over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(delta_heads.zero_state, cfg, x, initial_state)
   k_dim, _ = delta_heads.sizes(cfg, x.shape[-1])
   heads, v_heads = cfg.num_heads, delta_heads.value_heads(cfg)
   dtype = common.computation_dtype(x.dtype)
-  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype)
+  (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype,
+                                                axis_name)
   q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
   beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta,
                     log_decay(cfg, params, x), initial_state=state.recurrent, reset=reset,
                     mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
-                    check_log_decay=False)
+                    check_log_decay=False, axis_name=axis_name)
   gate = common.project(common.project(x, params["g_down"], dtype), params["g_up"], dtype)
   gate = delta_heads.by_head(gate + common.leading_ones(params["g_bias"], gate.ndim), v_heads)
   y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.sigmoid, dtype)

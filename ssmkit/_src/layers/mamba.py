@@ -5,6 +5,7 @@ short causal convolution and a SiLU gate."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -101,16 +102,18 @@ def _gate_and_project(params: dict[str, Array], y: Array, u: Array, z: Array, dt
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """The Mamba block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   v, z = _project(params, x)
-  conv, window = causal_conv(v, params["conv_kernel"], params["conv_bias"], state.conv, reset)
+  conv, window = causal_conv(v, params["conv_kernel"], params["conv_bias"], state.conv, reset,
+                             axis_name)
   u = jax.nn.silu(conv)
   dtype = common.computation_dtype(x.dtype)
   dt, b, c = _selective(cfg, params, u, dtype)
   y, last = selective_scan(u, dt, -jnp.exp(params["A_log"]), b, c, h0=state.recurrent, reset=reset,
-                           mode=mode)
+                           mode=mode, axis_name=axis_name)
   return _gate_and_project(params, y, u, z, dtype).astype(x.dtype), ConvRecurrentState(window, last)
 
 

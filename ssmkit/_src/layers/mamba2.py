@@ -5,6 +5,7 @@ so the selective SSM is linear attention with a decay (SSD), computed with matri
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -66,7 +67,8 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentSta
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """The Mamba-2 block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
@@ -75,7 +77,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   # The projection's order, as in the reference: [z, x, B, C, dt].
   z, xbc, dt = jnp.split(common.project(x, params["in_proj"], dtype), [inner, 2 * inner + bc],
                          axis=-1)
-  xbc, window = causal_conv(xbc, params["conv_kernel"], params["conv_bias"], state.conv, reset)
+  xbc, window = causal_conv(xbc, params["conv_kernel"], params["conv_bias"], state.conv, reset,
+                           axis_name)
   u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
   u = u.reshape(*u.shape[:-1], heads, cfg.head_dim)
   # The heads of a group share its B and C.
@@ -86,7 +89,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,
                             initial_state=state.recurrent, reset=reset, mode=mode,
                             chunk_size=cfg.chunk_size, return_final_state=True,
-                            check_log_decay=False)
+                            check_log_decay=False, axis_name=axis_name)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
   y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"], cfg.norm_eps,
                      cfg.n_groups if cfg.norm_per_group else 1)

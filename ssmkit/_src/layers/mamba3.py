@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -96,7 +97,8 @@ def decay_rate(a: Array, floor: float) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: Mamba3State | None = None) -> tuple[Array, Mamba3State]:
+             initial_state: Mamba3State | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, Mamba3State]:
   """The Mamba-3 block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   s = _sizes(cfg, x.shape[-1])
   inner, heads, ranks, n, p = s["inner"], s["heads"], s["ranks"], cfg.d_state, cfg.head_dim
@@ -130,7 +132,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
     q, k = q[..., 0, :, :], k[..., 0, :, :]
   o, state = mamba3(q, k, v, log_decay, dt, jax.nn.sigmoid(trap), rate,
                     rotary="halves" if mimo else "interleaved", initial_state=initial_state,
-                    reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True)
+                    reset=reset, mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
+                    axis_name=axis_name)
   d = common.leading_ones(params["D"].astype(acc)[:, None], o.ndim)
   y = o + d * v
   z = z.reshape(*z.shape[:-1], heads, p)

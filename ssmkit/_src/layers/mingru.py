@@ -3,6 +3,7 @@ on the input only, so the whole sequence is one linear recurrence."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -44,7 +45,8 @@ def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: Array | None = None) -> tuple[Array, Array]:
+             initial_state: Array | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, Array]:
   """minGRU over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   dtype = common.computation_dtype(x.dtype)
@@ -53,7 +55,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   k, candidate = dense("z"), dense("h")
   # 1 - z = sigmoid(-k), exact where z is close to 1.
   h, last = linear_recurrence(jax.nn.sigmoid(-k), jax.nn.sigmoid(k) * candidate, state,
-                              reset=reset, axis=-2, mode=mode, return_final_state=True)
+                              reset=reset, axis=-2, mode=mode, return_final_state=True,
+                              axis_name=axis_name)
   y = common.project(h, params["out_proj"], dtype) if "out_proj" in params else h
   return y.astype(x.dtype), last
 

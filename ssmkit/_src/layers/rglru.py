@@ -3,12 +3,14 @@ mixing gated linear recurrences with local attention for efficient language mode
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ssmkit._src.engine import axis_position
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.convolution import causal_conv, zero_window
@@ -117,11 +119,15 @@ def _block_diagonal(x: Array, w: Array, b: Array) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: RGLRUState | None = None) -> tuple[Array, RGLRUState]:
+             initial_state: RGLRUState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, RGLRUState]:
   """Griffin's recurrent block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   length = x.shape[-2]
   position = jax.lax.broadcasted_iota(jnp.int32, (*state.started.shape, length), state.started.ndim)
+  if axis_name is not None:  # the step numbers of the whole sequence
+    index, _ = axis_position(axis_name)
+    position = position + index * length
   first = (position == 0) & ~state.started[..., None]  # a sequence's first step
   reset = first if reset is None else reset | first
 
@@ -132,7 +138,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
             + common.leading_ones(params[f"{name}_bias"], v.ndim))
 
   gate_branch = jax.nn.gelu(dense(x, "y"))
-  u, window = causal_conv(dense(x, "x"), params["conv_kernel"], params["conv_bias"], state.conv, reset)
+  u, window = causal_conv(dense(x, "x"), params["conv_kernel"], params["conv_bias"], state.conv, reset,
+                          axis_name)
   gate_x = jax.nn.sigmoid(_block_diagonal(u, params["input_gate"], params["input_gate_bias"]))
   gate_a = jax.nn.sigmoid(_block_diagonal(u, params["a_gate"], params["a_gate_bias"]))
   log_a = -C * gate_a * common.leading_ones(jax.nn.softplus(params["a_param"]), u.ndim)
@@ -142,7 +149,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   if reset is not None:
     norm = jnp.where(reset[..., None], jnp.ones_like(norm), norm)
   h, last = linear_recurrence(jnp.exp(log_a), u * gate_x * norm, state.recurrent, reset=reset, axis=-2,
-                              mode=mode, return_final_state=True)
+                              mode=mode, return_final_state=True, axis_name=axis_name)
   y = dense(h * gate_branch, "out")
   return y.astype(x.dtype), RGLRUState(window, last, state.started | (length > 0))
 

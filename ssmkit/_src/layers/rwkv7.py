@@ -4,6 +4,7 @@ generalized delta rule, a diagonal-plus-rank-one transition of a matrix state pe
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -152,14 +153,15 @@ def group_norm(o: Array, scale: Array, bias: Array, eps: float) -> Array:
 
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None) -> tuple[Array, ConvRecurrentState]:
+             initial_state: ConvRecurrentState | None = None,
+             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
   """RWKV-7's time mixing over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   heads, k_dim, _ = sizes(cfg, x.shape[-1])
   dtype = common.computation_dtype(x.dtype)
   acc = accumulation_dtype(x.dtype)
   shift = jnp.broadcast_to(jnp.asarray([[1.0], [-1.0]], x.dtype), (2, x.shape[-1]))
-  delta, window = causal_conv(x, shift, None, state.conv, reset)  # x_{t-1} - x_t
+  delta, window = causal_conv(x, shift, None, state.conv, reset, axis_name)  # x_{t-1} - x_t
   mixed = {name: x + delta * common.leading_ones(params[f"x_{name}"].astype(x.dtype), x.ndim)
            for name in MIXES}
   lora = lambda name, inner: common.project(
@@ -175,7 +177,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   v = delta_heads.by_head(v, heads)
   o, s = generalized_delta_rule(r, k, v, -kk, kk * a, w, initial_state=state.recurrent, reset=reset,
                                 mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
-                                check_log_decay=False)
+                                check_log_decay=False, axis_name=axis_name)
   o = group_norm(o, params["norm_scale"].astype(acc), params["norm_bias"].astype(acc),
                  k_dim * cfg.norm_eps)
   # The bonus: the current token's value, weighted by its own receptance-key match.

@@ -4,6 +4,7 @@ with its Vandermonde kernel or as a recurrence."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -84,21 +85,25 @@ def kernel(cfg: Any, params: dict[str, Array], length: int) -> Array:
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
              mode: str | Mode = "auto", *, initial_state: Array | None = None,
-             return_state: bool = False) -> tuple[Array, Array | None]:
+             return_state: bool = False, axis_name: Hashable | None = None
+             ) -> tuple[Array, Array | None]:
   """S4D over a whole sequence: `(y, final_state)` (see `S4D.__call__` for the arguments).
 
   The final state is None when the convolution runs: by `mode="convolution"`, or by "auto"
-  without `reset`, `initial_state` and `return_state` (True: the caller reads the state).
+  without `reset`, `initial_state`, `return_state` (True: the caller reads the state) and
+  `axis_name` (the recurrence crosses devices with one state per slice, where the
+  convolution would need every earlier slice's inputs).
   """
   stateful = initial_state is not None or return_state
   if stateful:
     common.check_causal(cfg, "state to start from or return")
-  if mode == CONVOLUTION and (reset is not None or stateful):
+  if mode == CONVOLUTION and (reset is not None or stateful or axis_name is not None):
     raise ValueError(
-        "`mode='convolution'` cannot take `reset`, `initial_state` or `return_state`: use a scan mode."
+        "`mode='convolution'` cannot take `reset`, `initial_state`, `return_state` or "
+        "`axis_name`: use a scan mode."
     )
   mode = CONVOLUTION if mode == CONVOLUTION else parse_mode(mode)
-  if mode is Mode.AUTO and reset is None and not stateful:
+  if mode is Mode.AUTO and reset is None and not stateful and axis_name is None:
     mode = CONVOLUTION
   xf = x.astype(accumulation_dtype(x.dtype))
   last = None
@@ -106,7 +111,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
     # An FFT has no length 0.
     y = _convolve(cfg, xf, kernel(cfg, params, x.shape[-2])) if x.shape[-2] else jnp.zeros_like(xf)
   else:
-    y, last = _recurrence(cfg, params, xf, reset, mode, initial_state)
+    y, last = _recurrence(cfg, params, xf, reset, mode, initial_state, axis_name)
   y = (y + xf * common.leading_ones(params["D"], xf.ndim)).astype(x.dtype)
   return y, last
 
@@ -129,20 +134,22 @@ def _convolve(cfg: Any, x: Array, k: Array) -> Array:
 
 
 def _recurrence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: Mode,
-                initial_state: Array | None) -> tuple[Array, Array]:
+                initial_state: Array | None, axis_name: Hashable | None
+                ) -> tuple[Array, Array]:
   """Outputs without the skip term, and the forward state after the last step."""
   a_bar, b_bar, c = _system(cfg, params)
   inputs = x[..., None] * common.leading_ones(b_bar, x.ndim + 1)
   # The last recurrence to read `inputs` may write its states over them.
   h, last = linear_recurrence(a_bar, inputs, initial_state, reset=reset, axis=-3, mode=mode,
-                              return_final_state=True, overwrite_b=not cfg.bidirectional)
+                              return_final_state=True, overwrite_b=not cfg.bidirectional,
+                              axis_name=axis_name)
   y = 2 * jnp.einsum("...hn,hn->...h", h, c[0]).real
   if cfg.bidirectional:
     # Step t reads the backward state after step t + 1: none when an episode starts there.
-    after = None if reset is None else common.shift_back(reset, axis=-1)
+    after = None if reset is None else common.shift_back(reset, -1, axis_name)
     h = linear_recurrence(a_bar, inputs, reset=after, reverse=True, axis=-3, mode=mode,
-                          overwrite_b=True)
-    h = common.shift_back(h, axis=-3)
+                          overwrite_b=True, axis_name=axis_name)
+    h = common.shift_back(h, -3, axis_name)
     if after is not None:
       h = jnp.where(after[..., None, None], jnp.zeros_like(h), h)
     y = y + 2 * jnp.einsum("...hn,hn->...h", h, c[1]).real

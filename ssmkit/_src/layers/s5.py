@@ -4,6 +4,7 @@ diagonalised HiPPO-N matrix."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -106,7 +107,8 @@ def _read(cfg: Any, h: Array, c: Array) -> Array:
 
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None = None,
              mode: str | Mode = "auto", *, initial_state: Array | None = None,
-             return_state: bool = False) -> tuple[Array, Array]:
+             return_state: bool = False, axis_name: Hashable | None = None
+             ) -> tuple[Array, Array]:
   """S5 over a whole sequence: `(y, final_state)` (see `S5.__call__` for the arguments).
 
   `return_state` says the caller reads the final state, which a bidirectional S5 refuses.
@@ -118,13 +120,14 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None =
   inputs = xf.astype(b_bar.dtype) @ b_bar.T
   # The last recurrence to read `inputs` may write its states over them.
   h, last = linear_recurrence(lam_bar, inputs, initial_state, reset=reset, axis=-2, mode=mode,
-                              return_final_state=True, overwrite_b=not cfg.bidirectional)
+                              return_final_state=True, overwrite_b=not cfg.bidirectional,
+                              axis_name=axis_name)
   y = _read(cfg, h, c[0])
   if cfg.bidirectional:
     # Backwards, step t starts afresh when a new episode starts at t + 1.
-    after = None if reset is None else common.shift_back(reset, axis=-1)
+    after = None if reset is None else common.shift_back(reset, -1, axis_name)
     h = linear_recurrence(lam_bar, inputs, reset=after, reverse=True, axis=-2, mode=mode,
-                          overwrite_b=True)
+                          overwrite_b=True, axis_name=axis_name)
     y = y + _read(cfg, h, c[1])
   y = (y + xf * common.leading_ones(params["D"], xf.ndim)).astype(x.dtype)
   return y, last

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -101,7 +102,8 @@ class Layer(nnx.Module):
     return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
-               initial_state: Any = None, return_state: bool = False, **options: Any) -> Any:
+               initial_state: Any = None, return_state: bool = False,
+               axis_name: Hashable | None = None) -> Any:
     """Runs the whole sequence, as the linen layer's `__call__` does.
 
     Args:
@@ -110,14 +112,14 @@ class Layer(nnx.Module):
       mode: scan mode of the recurrence.
       initial_state: optional state to start from, as `step` makes it; default zeros.
       return_state: also return the state after the last step.
-      **options: further keyword arguments of the layer (LRU: `axis_name`).
+      axis_name: the mesh axis over which the time axis is split, as for the linen layer.
 
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     return functional.run_sequence(self.maths, self, self._params, x, reset, mode,
                                    initial_state=initial_state, return_state=return_state,
-                                   options=options)
+                                   axis_name=axis_name)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The zero state for inputs `(*batch, H)` of one step."""

@@ -1,0 +1,138 @@
+"""Every registered layer with its time axis split over 2, 4 and 8 host devices equals the layer
+on one device: outputs, final state and the gradients to the parameters, the inputs and the
+initial state, with documents that cross device boundaries.
+
+In float64 to 1e-9 (relative to the largest magnitude): sharding only moves and reassociates
+the same operations.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import registered
+from ssmkit._src.layers.convolution import causal_conv
+
+pytestmark = pytest.mark.usefixtures("host_devices")
+
+TOL = 1e-9
+TIME = P(None, "seq")
+LENGTH = 24  # slices of 12, 6 and 3 steps: shorter than some chunks, not a multiple of others
+# Each device count runs another mode, so that every mode crosses devices somewhere.
+SPLITS = {2: "sequential", 4: "auto", 8: "chunked"}
+
+
+def _mesh(devices: int) -> Mesh:
+  return Mesh(np.array(jax.devices()[:devices]), ("seq",))
+
+
+def _random_like(tree, rng):
+  """A pytree like `tree` with random entries of each leaf's dtype."""
+
+  def draw(leaf):
+    leaf = np.asarray(leaf)
+    if leaf.dtype == bool:
+      return rng.uniform(size=leaf.shape) < 0.7
+    if np.issubdtype(leaf.dtype, np.integer):
+      return rng.integers(0, 5, size=leaf.shape).astype(leaf.dtype)
+    if np.issubdtype(leaf.dtype, np.complexfloating):
+      return (rng.normal(size=leaf.shape) + 1j * rng.normal(size=leaf.shape)).astype(leaf.dtype)
+    return rng.normal(size=leaf.shape).astype(leaf.dtype)
+
+  return jax.tree.map(draw, tree)
+
+
+def _floats(tree):
+  """The inexact leaves of `tree` (the ones with gradients), None elsewhere."""
+  return jax.tree.map(lambda x: x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None, tree)
+
+
+def _loss_and_outputs(apply, params, x, reset, state, read):
+  """A loss weighing every float output with fixed numbers, the outputs `(B, T, H)` only where
+  `read` `(B, T)`; its gradient to params, x and state."""
+
+  def loss(params, x, state_floats):
+    state_full = jax.tree.map(lambda f, s: s if f is None else f, state_floats, state,
+                              is_leaf=lambda v: v is None)
+    y, final = apply(params, x, reset, state_full)
+    out = (jnp.where(read[..., None], y, 0), final)
+    weights = jax.tree.map(lambda v: jnp.cos(jnp.arange(v.size).reshape(v.shape)), _floats(out))
+    total = sum(jnp.sum(jnp.real(w * v)) for w, v in
+                zip(jax.tree.leaves(weights), jax.tree.leaves(_floats(out)), strict=True))
+    return total, (y, final)
+
+  return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(params, x, _floats(state))
+
+
+def _assert_close(actual, expected):
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  if not np.issubdtype(expected.dtype, np.inexact):
+    np.testing.assert_array_equal(actual, expected)
+    return
+  # The layers keep their states in float32 whatever the inputs: a state's gradient sums the
+  # devices' parts in float32.
+  tol = TOL if expected.dtype in (np.float64, np.complex128) else 1e-6
+  scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+  np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("case", registered.linen_cases().keys())
+def test_layer_across_devices_equals_one_device(case):
+  layer = registered.linen_cases()[case]().clone(param_dtype=jnp.float64)
+  rng = np.random.default_rng(len(case))
+  x = rng.normal(size=(2, LENGTH, 4))
+  # A reset in slices of every device count, one at a slice's first step, and a long document
+  # across the middle.
+  reset = np.zeros((2, LENGTH), bool)
+  reset[0, [3, 6, 17]] = True
+  reset[1, [12, 22]] = True
+  # A NaN before a reset reaches no output after it, nor the inputs' gradients there, on any
+  # device; the outputs that do read it are left out of the loss.
+  poisoned = x.copy()
+  poisoned[1, 2, 1] = np.nan
+  read = np.ones((2, LENGTH), bool)
+  read[1, 2:12] = False
+  params = registered.drawn_where_zero(jax.jit(layer.init)(jax.random.key(0), x))
+  params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
+  state = _random_like(layer.initialize_state((2, 4)), rng)
+
+  for devices, mode in SPLITS.items():
+    def apply(params, x, reset, state, axis_name=None, mode=mode):
+      return layer.apply(params, x, reset, mode, initial_state=state, return_state=True,
+                         axis_name=axis_name)
+
+    sharded = jax.shard_map(functools.partial(apply, axis_name="seq"), mesh=_mesh(devices),
+                            in_specs=(P(), TIME, TIME, P()), out_specs=(TIME, P()))
+    across = jax.jit(functools.partial(_loss_and_outputs, sharded))
+    alone = jax.jit(functools.partial(_loss_and_outputs, apply))
+    for inputs, weights in ((x, np.ones_like(read)), (poisoned, read)):
+      (_, out), grads = across(params, inputs, reset, state, weights)
+      (_, want), want_grads = alone(params, inputs, reset, state, weights)
+      if inputs is x:
+        jax.tree.map(_assert_close, (out, grads), (want, want_grads))
+        continue
+      jax.tree.map(_assert_close, (out, grads[1]), (want, want_grads[1]))
+      dx = np.asarray(grads[1])
+      assert np.all(np.isfinite(np.asarray(out[0])[read]))
+      assert np.all(np.isfinite(dx[0])) and np.all(np.isfinite(dx[1, 12:]))
+
+
+@pytest.mark.parametrize("slice_length", [1, 2, 5])
+def test_convolution_window_reaches_across_several_short_slices(slice_length):
+  """A window of 4 steps over slices of 1 and 2 steps comes from several earlier devices."""
+  rng = np.random.default_rng(slice_length)
+  devices = 8 if slice_length < 5 else 2
+  length = devices * slice_length
+  x = rng.normal(size=(3, length, 2))
+  kernel, bias, window = rng.normal(size=(5, 2)), rng.normal(size=2), rng.normal(size=(3, 4, 2))
+  reset = rng.uniform(size=(3, length)) < 0.2
+  conv = lambda x, reset, window, axis_name=None: causal_conv(x, kernel, bias, window, reset,
+                                                              axis_name)
+  sharded = jax.shard_map(functools.partial(conv, axis_name="seq"), mesh=_mesh(devices),
+                          in_specs=(TIME, TIME, P()), out_specs=(TIME, P()))
+  jax.tree.map(_assert_close, jax.jit(sharded)(x, reset, window), conv(x, reset, window))
