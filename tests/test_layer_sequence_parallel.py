@@ -12,10 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import registered
+import ssmkit.nnx as snx
+from ssmkit import layers
 from ssmkit._src.layers.convolution import causal_conv
 
 pytestmark = pytest.mark.usefixtures("host_devices")
@@ -136,3 +139,93 @@ def test_convolution_window_reaches_across_several_short_slices(slice_length):
   sharded = jax.shard_map(functools.partial(conv, axis_name="seq"), mesh=_mesh(devices),
                           in_specs=(TIME, TIME, P()), out_specs=(TIME, P()))
   jax.tree.map(_assert_close, jax.jit(sharded)(x, reset, window), conv(x, reset, window))
+
+
+def _partial(cls, **options):
+  return functools.partial(cls, param_dtype=jnp.float64, **options)
+
+
+MODELS = {
+    # A hybrid language model: recurrent and local-attention blocks, scanned, with a cache.
+    "hybrid-lm": dict(num_outputs=11, vocab_size=11, pooling="none", block="mixer", norm="rms",
+                      mlp="swiglu", num_blocks=3, scan_blocks=True,
+                      layer=(_partial(layers.RGLRU, num_heads=2, d_conv=3),
+                             _partial(layers.Attention, num_heads=2, head_dim=4, window=7))),
+    # Classifiers over real inputs, pooled over the real steps of every device.
+    "mean-pooled": dict(num_outputs=3, pooling="mean", num_blocks=2,
+                        layer=_partial(layers.Mamba2, d_state=4, head_dim=2, d_conv=3)),
+    "last-pooled": dict(num_outputs=3, pooling="last", num_blocks=1, norm="batch",
+                        layer=_partial(layers.GatedDeltaNet, num_heads=2, d_conv=3)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_across_devices_equals_one_device(name):
+  options = MODELS[name]
+  model = layers.SequenceModel(features=8, param_dtype=jnp.float64, **options)
+  rng = np.random.default_rng(3)
+  tokens = options.get("vocab_size") is not None
+  x = rng.integers(0, 11, size=(2, LENGTH)) if tokens else rng.normal(size=(2, LENGTH, 3))
+  reset = rng.uniform(size=(2, LENGTH)) < 0.15
+  # Padding at both ends, so that the last real step is on an inner device.
+  mask = np.ones((2, LENGTH), bool)
+  mask[0, :5] = mask[1, 14:] = False
+  variables = model.init(jax.random.key(0), x, mask)
+  state = _random_like(model.initialize_state(x.shape[:1] if tokens else (2, 3)), rng)
+  pooled = options["pooling"] != "none"
+  out_spec = P() if pooled else TIME
+
+  def apply(variables, x, mask, reset, state, axis_name=None):
+    return model.apply(variables, x, mask, reset, initial_state=state, return_state=True,
+                       axis_name=axis_name)
+
+  sharded = jax.shard_map(functools.partial(apply, axis_name="seq"), mesh=_mesh(4),
+                          in_specs=(P(), TIME, TIME, TIME, P()), out_specs=(out_spec, P()))
+
+  def loss(apply, variables, x, mask, reset, state):
+    y, final = apply(variables, x, mask, reset, state)
+    weights = jnp.cos(jnp.arange(y.size).reshape(y.shape))
+    return jnp.sum(weights * y) + sum(jnp.sum(jnp.real(s)) for s in jax.tree.leaves(_floats(final))
+                                      if s is not None), (y, final)
+
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, sharded), has_aux=True))(
+      variables, x, mask, reset, state)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, apply), has_aux=True))(
+      variables, x, mask, reset, state)
+  jax.tree.map(_assert_close, got, want)
+
+
+def test_batch_statistics_across_devices_are_refused():
+  model = layers.SequenceModel(num_outputs=2, features=4, norm="batch", num_blocks=1)
+  x = np.ones((2, 8, 3))
+  variables = model.init(jax.random.key(0), x)
+  train = functools.partial(model.apply, train=True, axis_name="seq", mutable=["batch_stats"])
+  with pytest.raises(ValueError, match="norm='batch'"):
+    jax.shard_map(lambda x: train(variables, x)[0], mesh=_mesh(2), in_specs=TIME,
+                  out_specs=P())(x)
+
+
+def test_nnx_model_across_devices_equals_one_device():
+  model = snx.SequenceModel(None, 7, vocab_size=7, features=8, num_blocks=2, pooling="none",
+                            block="mixer", norm="rms",
+                            layer=functools.partial(snx.KimiDeltaAttention, num_heads=2, d_conv=3,
+                                                    param_dtype=jnp.float64),
+                            param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+  model.eval()
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  rng = np.random.default_rng(4)
+  x = rng.integers(0, 7, size=(2, LENGTH))
+  reset = rng.uniform(size=(2, LENGTH)) < 0.15
+
+  def apply(params, rest, x, reset, axis_name=None):
+    return nnx.merge(graph, params, rest)(x, reset=reset, return_state=True, axis_name=axis_name)
+
+  sharded = jax.shard_map(functools.partial(apply, axis_name="seq"), mesh=_mesh(8),
+                          in_specs=(P(), P(), TIME, TIME), out_specs=(TIME, P()))
+  loss = lambda apply, params, *args: (jnp.sum(jnp.sin(apply(params, *args)[0])),
+                                       apply(params, *args))
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, sharded), has_aux=True))(
+      params, rest, x, reset)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, apply), has_aux=True))(
+      params, rest, x, reset)
+  jax.tree.map(_assert_close, got, want)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -36,18 +36,30 @@ def expand_mask(mask: Array | None, x: Array) -> Array | None:
 
 
 def run_layer(layer: Any, x: Array, *, reset: Array | None, state: Any, single_step: bool,
-              return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
-  """`(state, y)` of an SSM layer (linen or NNX) on one step, or on a sequence from `state`.
+              return_state: bool, mode: str | Mode, axis_name: Hashable | None = None
+              ) -> tuple[Any, Array]:
+  """`(state, y)` of an SSM layer (linen or NNX) on one step, or on a sequence from `state`
+  (with its time axis split over the mesh axis `axis_name`, if given).
 
   The state is None on a sequence without `state` and `return_state`.
   """
   if single_step:
     return layer.step(state, x, reset)
+  # Only asked for when used, so any layer with the basic contract fits the plain paths.
+  options = {} if axis_name is None else {"axis_name": axis_name}
   if state is None and not return_state:
-    # Only asked for when used, so any layer with the basic contract fits the stateless path.
-    return None, layer(x, reset, mode=mode)
-  y, state = layer(x, reset, mode=mode, initial_state=state, return_state=True)
+    return None, layer(x, reset, mode=mode, **options)
+  y, state = layer(x, reset, mode=mode, initial_state=state, return_state=True, **options)
   return state, y
+
+
+def check_norm_across_devices(batch_statistics: bool, axis_name: Hashable | None) -> None:
+  """Refuses BatchNorm's batch statistics over a sequence split across devices."""
+  if batch_statistics and axis_name is not None:
+    raise ValueError(
+        "norm='batch' takes its statistics over the batch and time, which `axis_name` splits "
+        "across devices: train with norm='layer' or 'rms' (BatchNorm's running averages, at "
+        "evaluation, work across devices).")
 
 
 def residual(x: Array, mask: Array | None, ssm: Callable[[Array], tuple[Any, Array]], *,
@@ -145,8 +157,10 @@ class Norm(nn.Module):
   eps: float | None = None
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False) -> Array:
+  def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False,
+               axis_name: Hashable | None = None) -> Array:
     check_choice(self.kind, NORMS, "norm")
+    check_norm_across_devices(self.kind == "batch" and train, axis_name)
     precision = dict(dtype=self.dtype, param_dtype=self.param_dtype,
                      **({} if self.eps is None else {"epsilon": self.eps}))
     if self.kind == "layer":
@@ -179,7 +193,7 @@ class _Block(nn.Module):
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
-               train: bool = False) -> Array | tuple[Array, Any]:
+               train: bool = False, axis_name: Hashable | None = None) -> Array | tuple[Array, Any]:
     """Runs the block over a whole sequence.
 
     Args:
@@ -191,6 +205,7 @@ class _Block(nn.Module):
       mode: scan mode of the layer.
       train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
         `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
+      axis_name: sequence parallelism, as for the layers (`ssmkit.layers.LRU.__call__`).
 
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
@@ -198,7 +213,7 @@ class _Block(nn.Module):
     x, reset = common.check_sequence(x, reset)
     mask = check_mask(mask, x)
     state, y = self.forward(x, mask, reset, initial_state, single_step=False,
-                            return_state=return_state, mode=mode, train=train)
+                            return_state=return_state, mode=mode, train=train, axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
@@ -248,7 +263,8 @@ class SSMBlock(_Block):
 
   @nn.compact
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-              return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None
+              ) -> tuple[Any, Array]:
     """The block on checked inputs, carry first, as a model stacks it: `(state, y)`.
 
     Args:
@@ -260,14 +276,16 @@ class SSMBlock(_Block):
       return_state: compute the SSM state after a sequence (else it may be None).
       mode: scan mode of the SSM layer.
       train: dropout on and BatchNorm on batch statistics.
+      axis_name: the mesh axis over which the time axis is split, or None.
     """
     check_choice(self.activation, ACTIVATIONS, "activation")
     norm = self._norm("norm")
     ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
-                            single_step=single_step, return_state=return_state, mode=mode)
+                            single_step=single_step, return_state=return_state, mode=mode,
+                            axis_name=axis_name)
     width = x.shape[-1]
     return residual(
-        x, mask, ssm, norm=lambda u: norm(u, mask, train=train),
+        x, mask, ssm, norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
         dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
         value=self._dense(width, "glu_value") if self.activation == "glu" else None,
         gate=self._dense(width, "glu_gate") if self.activation != "gelu" else None,
@@ -305,23 +323,27 @@ class MixerBlock(_Block):
 
   @nn.compact
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-              return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None
+              ) -> tuple[Any, Array]:
     """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (arguments as
     `SSMBlock.forward`'s)."""
     check_choice(self.mlp, MLPS, "mlp")
     norm = self._norm("norm")
     mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
-                              single_step=single_step, return_state=return_state, mode=mode)
+                              single_step=single_step, return_state=return_state, mode=mode,
+                              axis_name=axis_name)
     mlp = mlp_norm = None
     if self.mlp != "none":
-      mlp_norm = functools.partial(self._norm("mlp_norm"), mask=mask, train=train)
+      mlp_norm = functools.partial(self._norm("mlp_norm"), mask=mask, train=train,
+                                   axis_name=axis_name)
       dense = functools.partial(self._dense, use_bias=self.mlp_bias)
       hidden = mlp_width(x.shape[-1], self.mlp_expansion)
       mlp = functools.partial(
           feed_forward, kind=self.mlp, up=dense(hidden, "mlp_up"),
           gate=dense(hidden, "mlp_gate") if self.mlp != "gelu" else None,
           down=dense(x.shape[-1], "mlp_down"))
-    return mixer_residual(x, mask, mixer, norm=lambda u: norm(u, mask, train=train),
+    return mixer_residual(x, mask, mixer,
+                          norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
                           mlp_norm=mlp_norm, mlp=mlp)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssmkit._src.engine import axis_position
 from ssmkit._src.layers import common
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import (
@@ -130,11 +131,12 @@ class _ScannedBlocks(nn.Module):
   return_state: bool
   mode: str | Mode = "auto"
   train: bool = False
+  axis_name: Hashable | None = None
 
   @nn.compact
   def __call__(self, x: Array, state: Any, mask: Array | None, reset: Array | None) -> tuple[Array, Any]:
     flags = dict(single_step=self.single_step, return_state=self.return_state, mode=self.mode,
-                 train=self.train)
+                 train=self.train, axis_name=self.axis_name)
     if not self.pattern:
       state, x = self.blocks[0](name="block").forward(x, mask, reset, state, **flags)
       return x, state
@@ -261,7 +263,8 @@ class SequenceModel(nn.Module):
 
   @nn.compact
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-               return_state: bool, mode: str | Mode, train: bool) -> tuple[Any, Array]:
+               return_state: bool, mode: str | Mode, train: bool,
+               axis_name: Hashable | None = None) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
     check_model(self)
     precision = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -272,11 +275,13 @@ class SequenceModel(nn.Module):
     x = encoder(x)
     x = scale_embeddings(self, x)
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
-                                return_state=return_state, mode=mode, train=train)
+                                return_state=return_state, mode=mode, train=train,
+                                axis_name=axis_name)
     if self.prenorm:
-      x = Norm(self.norm, eps=self.norm_eps, name="final_norm", **precision)(x, mask, train=train)
+      x = Norm(self.norm, eps=self.norm_eps, name="final_norm", **precision)(
+          x, mask, train=train, axis_name=axis_name)
     if not single_step:
-      x = pool(x, mask, self.pooling)
+      x = pool(x, mask, self.pooling, axis_name)
     if self.tie_embeddings:
       y = encoder.attend(x)
     else:
@@ -285,7 +290,7 @@ class SequenceModel(nn.Module):
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
-               train: bool = False) -> Array | tuple[Array, Any]:
+               train: bool = False, axis_name: Hashable | None = None) -> Array | tuple[Array, Any]:
     """Runs the model over whole sequences.
 
     Args:
@@ -305,6 +310,13 @@ class SequenceModel(nn.Module):
       mode: scan mode of the layers.
       train: dropout on and BatchNorm on batch statistics (needs a "dropout" rng when
         `dropout_rate` > 0 and a mutable "batch_stats" collection with BatchNorm).
+      axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis of `x`,
+        `mask` and `reset` split over the mesh axis of this name (consecutive slices of equal
+        length in mesh order) and the parameters replicated, every block runs across the
+        devices (see the layers' `axis_name`), and each device returns its slice of the
+        per-step outputs, or the pooled outputs of the whole sequence, the same on every
+        device. `initial_state` is read where the layers read it; the returned state is the
+        whole sequence's. BatchNorm's batch statistics (`train` with norm "batch") are refused.
 
     Returns:
       `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
@@ -312,7 +324,7 @@ class SequenceModel(nn.Module):
     """
     x, mask, reset = check_inputs(self, x, mask, reset)
     state, y = self._forward(x, mask, reset, initial_state, single_step=False,
-                             return_state=return_state, mode=mode, train=train)
+                             return_state=return_state, mode=mode, train=train, axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
@@ -407,21 +419,31 @@ def check_step_inputs(model: Any, x_t: Array, reset: Array | None) -> tuple[Arra
   return x_t, reset
 
 
-def pool(x: Array, mask: Array | None, pooling: str) -> Array:
-  """Pools `(..., T, H)` over the real steps of `mask` (`(..., T)`, padding anywhere).
+def pool(x: Array, mask: Array | None, pooling: str, axis_name: Hashable | None = None) -> Array:
+  """Pools `(..., T, H)` over the real steps of `mask` (`(..., T)`, padding anywhere), of the
+  whole sequence when its time axis is split over the mesh axis `axis_name`.
 
   A sequence without real steps pools to zeros.
   """
   if pooling == "none":
     return x
-  if mask is None:
+  if mask is None and axis_name is None:
     return jnp.mean(x, axis=-2) if pooling == "mean" else x[..., -1, :]
+  if mask is None:
+    mask = jnp.ones(x.shape[:-1], bool)
+  total = (lambda v: v) if axis_name is None else (lambda v: jax.lax.psum(v, axis_name))
   if pooling == "mean":
-    count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(x.dtype)
-    return jnp.sum(jnp.where(mask[..., None], x, jnp.zeros_like(x)), axis=-2) / count
+    count = jnp.maximum(total(jnp.sum(mask, axis=-1, keepdims=True)), 1).astype(x.dtype)
+    return total(jnp.sum(jnp.where(mask[..., None], x, jnp.zeros_like(x)), axis=-2)) / count
   last = mask.shape[-1] - 1 - jnp.argmax(jnp.flip(mask, axis=-1), axis=-1)
   pooled = jnp.take_along_axis(x, last[..., None, None], axis=-2)[..., 0, :]
-  return jnp.where(jnp.any(mask, axis=-1)[..., None], pooled, jnp.zeros_like(pooled))
+  seen = jnp.any(mask, axis=-1)
+  if axis_name is not None:  # the last device with a real step holds the sequence's last
+    index, _ = axis_position(axis_name)
+    latest = jax.lax.pmax(jnp.where(seen, index, -1), axis_name)
+    seen = latest >= 0
+    pooled = total(jnp.where((index == latest)[..., None], pooled, jnp.zeros_like(pooled)))
+  return jnp.where(seen[..., None], pooled, jnp.zeros_like(pooled))
 
 
 def _filter_logits(logits: Array, top_k: int | None = None, top_p: Array | float | None = None

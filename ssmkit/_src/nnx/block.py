@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -12,17 +12,18 @@ from flax import nnx
 
 from ssmkit._src.layers import common
 from ssmkit._src.layers.block import (
-    ACTIVATIONS,
-    MLPS,
-    NORMS,
-    check_choice,
-    check_mask,
-    expand_mask,
-    feed_forward,
-    mixer_residual,
-    mlp_width,
-    residual,
-    run_layer,
+  ACTIVATIONS,
+  MLPS,
+  NORMS,
+  check_choice,
+  check_mask,
+  check_norm_across_devices,
+  expand_mask,
+  feed_forward,
+  mixer_residual,
+  mlp_width,
+  residual,
+  run_layer,
 )
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.layers import LRU
@@ -52,10 +53,12 @@ def norm_kind(norm: Norm) -> str:
   return next(kind for kind, cls in NORM_MODULES.items() if isinstance(norm, cls))
 
 
-def normalize(norm: Norm, x: Array, mask: Array | None, *, inference: bool) -> Array:
+def normalize(norm: Norm, x: Array, mask: Array | None, *, inference: bool,
+              axis_name: Hashable | None = None) -> Array:
   """`norm(x)`; BatchNorm skips the masked steps, and uses its running averages at `inference`
-  whatever the module's train/eval mode."""
+  whatever the module's train/eval mode (its batch statistics are refused under `axis_name`)."""
   if isinstance(norm, nnx.BatchNorm):
+    check_norm_across_devices(not (inference or norm.use_running_average), axis_name)
     return norm(x, use_running_average=True if inference else None, mask=expand_mask(mask, x))
   return norm(x)
 
@@ -69,8 +72,8 @@ class _Block(nnx.Module):
   _layer_name: str
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
-               ) -> Array | tuple[Array, Any]:
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
+               axis_name: Hashable | None = None) -> Array | tuple[Array, Any]:
     """Runs the block over a whole sequence.
 
     Args:
@@ -80,13 +83,14 @@ class _Block(nnx.Module):
       initial_state: optional layer state to start from, as `step` makes it; default zeros.
       return_state: also return the layer's state after the last step (padding included).
       mode: scan mode of the layer.
+      axis_name: sequence parallelism, as for the layers (`ssmkit.layers.LRU.__call__`).
 
     Returns:
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
     state, y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
-                            return_state=return_state, mode=mode)
+                            return_state=return_state, mode=mode, axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
@@ -162,14 +166,15 @@ class SSMBlock(_Block):
     self.glu_gate = linear() if activation != "gelu" else None
 
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
-              single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+              single_step: bool, return_state: bool, mode: str | Mode,
+              axis_name: Hashable | None = None) -> tuple[Any, Array]:
     """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
     `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
     return residual(
         x, mask,
         functools.partial(run_layer, self.ssm, reset=reset, state=state, single_step=single_step,
-                          return_state=return_state, mode=mode),
-        norm=lambda u: normalize(self.norm, u, mask, inference=single_step),
+                          return_state=return_state, mode=mode, axis_name=axis_name),
+        norm=lambda u: normalize(self.norm, u, mask, inference=single_step, axis_name=axis_name),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         value=self.glu_value, gate=self.glu_gate, prenorm=self.prenorm)
 
@@ -233,10 +238,11 @@ class MixerBlock(_Block):
     self.mlp_down = linear(hidden, features) if has_mlp else None
 
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
-              single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+              single_step: bool, return_state: bool, mode: str | Mode,
+              axis_name: Hashable | None = None) -> tuple[Any, Array]:
     """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
     `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
-    norm = functools.partial(normalize, mask=mask, inference=single_step)
+    norm = functools.partial(normalize, mask=mask, inference=single_step, axis_name=axis_name)
     mlp = None
     if self.mlp != "none":
       mlp = functools.partial(feed_forward, kind=self.mlp, up=self.mlp_up, gate=self.mlp_gate,
@@ -244,7 +250,7 @@ class MixerBlock(_Block):
     return mixer_residual(
         x, mask,
         functools.partial(run_layer, self.mixer, reset=reset, state=state, single_step=single_step,
-                          return_state=return_state, mode=mode),
+                          return_state=return_state, mode=mode, axis_name=axis_name),
         norm=lambda u: norm(self.norm, u),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -183,21 +183,22 @@ class SequenceModel(nnx.Module):
     return x, (repeated, tail)
 
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
-               single_step: bool, return_state: bool, mode: str | Mode) -> tuple[Any, Array]:
+               single_step: bool, return_state: bool, mode: str | Mode,
+               axis_name: Hashable | None = None) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
     x = scale_embeddings(self, self.encoder(x))
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
-                                return_state=return_state, mode=mode)
+                                return_state=return_state, mode=mode, axis_name=axis_name)
     if self.final_norm is not None:
-      x = normalize(self.final_norm, x, mask, inference=single_step)
+      x = normalize(self.final_norm, x, mask, inference=single_step, axis_name=axis_name)
     if not single_step:
-      x = pool(x, mask, self.pooling)
+      x = pool(x, mask, self.pooling, axis_name)
     y = self.encoder.attend(x) if self.tie_embeddings else self.decoder(x)
     return state, cap_logits(y, self.logit_cap)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
-               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto"
-               ) -> Array | tuple[Array, Any]:
+               initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",
+               axis_name: Hashable | None = None) -> Array | tuple[Array, Any]:
     """Runs the model over whole sequences, as the linen model does.
 
     Args:
@@ -209,6 +210,7 @@ class SequenceModel(nnx.Module):
         default zeros.
       return_state: also return the state after the last step (padding included).
       mode: scan mode of the layers.
+      axis_name: sequence parallelism, as for the linen model.
 
     Returns:
       `(..., num_outputs)` with pooling, else `(..., T, num_outputs)`; with `return_state`,
@@ -216,7 +218,7 @@ class SequenceModel(nnx.Module):
     """
     x, mask, reset = check_inputs(self, x, mask, reset)
     state, y = self._forward(x, mask, reset, initial_state, single_step=False,
-                             return_state=return_state, mode=mode)
+                             return_state=return_state, mode=mode, axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
