@@ -84,6 +84,11 @@ def _assert_close(actual, expected):
   np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale)
 
 
+def _apply(layer, mode, params, x, reset, state, axis_name=None):
+  return layer.apply(params, x, reset, mode, initial_state=state, return_state=True,
+                     axis_name=axis_name)
+
+
 @pytest.mark.parametrize("case", registered.linen_cases().keys())
 def test_layer_across_devices_equals_one_device(case):
   layer = registered.linen_cases()[case]().clone(param_dtype=jnp.float64)
@@ -104,25 +109,28 @@ def test_layer_across_devices_equals_one_device(case):
   params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   state = _random_like(layer.initialize_state((2, 4)), rng)
 
+  # One device runs "sequential": test_layers finds every mode equal there.
+  alone = jax.jit(functools.partial(_loss_and_outputs, functools.partial(_apply, layer, "sequential")))
   for devices, mode in SPLITS.items():
-    def apply(params, x, reset, state, axis_name=None, mode=mode):
-      return layer.apply(params, x, reset, mode, initial_state=state, return_state=True,
-                         axis_name=axis_name)
-
-    sharded = jax.shard_map(functools.partial(apply, axis_name="seq"), mesh=_mesh(devices),
+    sharded = jax.shard_map(functools.partial(_apply, layer, mode, axis_name="seq"),
+                            mesh=_mesh(devices),
                             in_specs=(P(), TIME, TIME, P()), out_specs=(TIME, P()))
     across = jax.jit(functools.partial(_loss_and_outputs, sharded))
-    alone = jax.jit(functools.partial(_loss_and_outputs, apply))
     for inputs, weights in ((x, np.ones_like(read)), (poisoned, read)):
       (_, out), grads = across(params, inputs, reset, state, weights)
       (_, want), want_grads = alone(params, inputs, reset, state, weights)
       if inputs is x:
         jax.tree.map(_assert_close, (out, grads), (want, want_grads))
         continue
-      jax.tree.map(_assert_close, (out, grads[1]), (want, want_grads[1]))
-      dx = np.asarray(grads[1])
-      assert np.all(np.isfinite(np.asarray(out[0])[read]))
-      assert np.all(np.isfinite(dx[0])) and np.all(np.isfinite(dx[1, 12:]))
+      # What follows the reset, and the other row, must be finite and equal.
+      jax.tree.map(_assert_close, out[1], want[1])
+      y = np.asarray(out[0])[read]
+      assert np.all(np.isfinite(y))
+      _assert_close(y, np.asarray(want[0])[read])
+      dx, want_dx = np.asarray(grads[1]), np.asarray(want_grads[1])
+      for got, expected in ((dx[0], want_dx[0]), (dx[1, 12:], want_dx[1, 12:])):
+        assert np.all(np.isfinite(got))
+        _assert_close(got, expected)
 
 
 @pytest.mark.parametrize("slice_length", [1, 2, 5])
