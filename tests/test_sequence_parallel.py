@@ -16,16 +16,17 @@ from jax.sharding import PartitionSpec as P
 
 import references
 from ssmkit import layers, rl
+from ssmkit._src import state_pass
 from ssmkit.scan import (
-    associative_scan,
-    delta_product,
-    delta_rule,
-    generalized_delta_rule,
-    linear_attention,
-    linear_recurrence,
-    linear_recurrence_final_state,
-    mamba3,
-    operators,
+  associative_scan,
+  delta_product,
+  delta_rule,
+  generalized_delta_rule,
+  linear_attention,
+  linear_recurrence,
+  linear_recurrence_final_state,
+  mamba3,
+  operators,
 )
 
 pytestmark = pytest.mark.usefixtures("host_devices")
@@ -224,6 +225,83 @@ def test_final_state_across_devices_is_that_of_the_whole_sequence(mode, reverse)
   h_final, grads = _outputs_and_grads(sharded, (0, 1, 2), a, b, h0, reset)
   _assert_close(h_final, references.linear_recurrence(a, b, h0, reset, reverse)[0 if reverse else -1])
   _assert_trees_close(grads, _outputs_and_grads(final, (0, 1, 2), a, b, h0, reset)[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Combining the devices' maps: all-gathered, or in log2(devices) rounds of ppermute
+
+
+def _combined_states(a, u, cut, state, matrix, reverse):
+  """The states entering each device's slice and after the last, one device after another."""
+  order = range(len(u) - 1, -1, -1) if reverse else range(len(u))
+  entering, s = [None] * len(u), state
+  for d in order:
+    entering[d] = s
+    new = (a[d] @ s if matrix else a[d] * s) + u[d]
+    s = np.where(cut[d][..., None, None], u[d], new)
+  return np.stack(entering), s
+
+
+@pytest.mark.parametrize(("devices", "matrix", "reverse"),
+                         [(8, False, False), (5, False, True), (8, True, True), (6, True, False)])
+def test_log_depth_combine_equals_the_all_gather_and_a_loop(devices, matrix, reverse):
+  rng = np.random.default_rng(devices + 2 * matrix + reverse)
+  rows, heads, dim_k, dim_v = 2, 2, 3, 2
+  shape = (devices, rows, heads, dim_k)
+  a = 0.6 * rng.normal(size=(*shape, dim_k)) if matrix else rng.uniform(0.5, 1.0, (*shape, 1))
+  u = rng.normal(size=(*shape, dim_v))
+  cut = rng.uniform(size=(devices, rows, 1)) < 0.3
+  state = rng.normal(size=(*shape[1:], dim_v))
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
+
+  def run(a, u, cut, state, combine):
+    entering, final = state_pass.across_devices(
+        state_pass.Maps(a[0], u[0], cut[0]), state, matrix=matrix, axis_name="seq",
+        reverse=reverse, combine=combine)
+    return entering[None], final
+
+  results = {}
+  for combine in ("gather", "ppermute"):
+    sharded = _sharded(functools.partial(run, combine=combine), (SEQ, SEQ, SEQ, P()), (SEQ, P()),
+                       mesh=mesh)
+    results[combine] = _outputs_and_grads(sharded, (0, 1, 3), a, u, cut, state)
+  _assert_trees_close(results["ppermute"], results["gather"])
+  expected = _combined_states(a, u, cut, state, matrix, reverse)
+  _assert_trees_close(results["ppermute"][0], expected)
+
+
+def test_scans_and_layers_take_the_log_depth_combine_past_its_mesh_size(monkeypatch):
+  """With the all-gather limited to one device, the recurrences combine their devices' maps by
+  ppermute: the same outputs, final states and gradients."""
+  monkeypatch.setattr(state_pass, "GATHER_MAX_DEVICES", 1)
+  rng = np.random.default_rng(40)
+  a, b = _decay_and_input(rng, (24, 3), True)
+  _, h0 = _decay_and_input(rng, (3,), True)
+  reset = _resets(rng, 24)
+
+  def run(a, b, h0, reset, axis_name=None):
+    return linear_recurrence(a, b, h0, reset=reset, reverse=True, return_final_state=True,
+                             axis_name=axis_name)
+
+  sharded = _sharded(functools.partial(run, axis_name="seq"), (SEQ, SEQ, P(), SEQ), (SEQ, P()))
+  _assert_trees_close(_outputs_and_grads(sharded, (0, 1, 2), a, b, h0, reset),
+                      _outputs_and_grads(run, (0, 1, 2), a, b, h0, reset))
+
+  q, k = rng.normal(size=(2, 24, 2, 3)), rng.normal(size=(2, 24, 2, 3))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v, beta = rng.normal(size=(2, 24, 2, 2)), rng.uniform(size=(2, 24, 2))
+  g, state = -rng.uniform(size=(2, 24, 2)), rng.normal(size=(2, 2, 3, 2))
+
+  def rule(q, k, v, beta, g, state, reset, axis_name=None):
+    return delta_rule(q, k, v, beta, g, initial_state=state, reset=reset, mode="chunked",
+                      chunk_size=2, return_final_state=True, axis_name=axis_name)
+
+  time = P(None, "seq")
+  sharded = _sharded(functools.partial(rule, axis_name="seq"), (time,) * 5 + (P(), time),
+                     (time, P()))
+  args = (q, k, v, beta, g, state, reset.T.repeat(2, axis=0))
+  _assert_trees_close(_outputs_and_grads(sharded, tuple(range(6)), *args),
+                      _outputs_and_grads(rule, tuple(range(6)), *args))
 
 
 def test_sequence_and_data_parallel_on_a_two_axis_mesh():

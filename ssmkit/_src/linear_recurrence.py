@@ -13,10 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ssmkit._src import checks
+from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import (
     axis_position,
-    from_device,
     reduce_leading,
     scan_along,
     vary_alike,
@@ -248,44 +247,30 @@ def _across_devices(cfg: _Config, a: Decay, b, h0, reset, axis_name: Hashable, s
   """The recurrence over every device's slice of time along the mesh axis `axis_name`.
 
   Each device reduces its slice to the affine map h -> A h + B it applies (A the product
-  of its decays; the map is h -> B when a reset cuts the slice), the maps are all-gathered
-  (a few states per device) and composed in device order, and each device runs its slice
-  once from the carry the maps before it produce. Reducing first and scanning once reads
-  the slice twice and writes it once; scanning from zero and fixing up with the running
-  product of `a` would write it twice and need that product too. `h0` enters on the device
-  holding the first step (the last when reversed); the others' `h0` are ignored. Autodiff
-  runs through the collectives, so the backward pass is sequence-parallel as well.
+  of its decays, B its final state from zero; the map is h -> B when a reset cuts the
+  slice), the maps are combined across devices (`state_pass.across_devices`: all-gathered,
+  or in log2(devices) rounds of `ppermute` on large meshes), and each device runs its slice
+  once from the carry the maps before it produce. Reducing first and scanning once reads the
+  slice twice and writes it once; scanning from zero and fixing up with the running product
+  of `a` would write it twice and need that product too. `h0` enters on the device holding
+  the first step (the last when reversed); the others' `h0` are ignored. Autodiff runs
+  through the collectives, so the backward pass is sequence-parallel as well.
 
   Returns:
     `(h, h_final)` with `states`, else `h_final`; `h_final` is the state after the last
     step of the whole sequence, the same on every device.
   """
-  index, size = axis_position(axis_name)
-  entry = index == (size - 1 if cfg.reverse else 0)
-  h0 = None if h0 is None else jnp.where(entry, h0, jnp.zeros_like(h0))
   length = b.shape[0]
   total_a = functools.reduce(
       operator.mul, [x[0] ** length if x.shape[0] == 1 else jnp.prod(x, axis=0) for x in a]
   )
-  total_b = _final(cfg, a, b, h0, reset)
+  total_b = _final(cfg, a, b, None, reset)
   cut = None if reset is None else jnp.any(reset, axis=0)
-  maps = lax.all_gather((total_a, total_b, cut), axis_name)
-
-  def compose(h, piece):
-    a_j, b_j, cut_j = piece
-    if cut_j is None:
-      h_next = a_j * h + b_j
-    else:
-      # The inner selection keeps the gradient finite when an Inf/NaN state is cut off.
-      h_next = jnp.where(cut_j, b_j, a_j * jnp.where(cut_j, jnp.zeros_like(h), h) + b_j)
-    return h_next, h
-
-  h_final, carries = lax.scan(compose, jnp.zeros_like(maps[1][0]), maps, reverse=cfg.reverse)
-  # Every device composed the same final state: device 0's is the one to return.
-  h_final = from_device(h_final, index == 0, axis_name)
+  start = jnp.zeros_like(total_b) if h0 is None else h0
+  carry, h_final = state_pass.across_devices(state_pass.Maps(total_a, total_b, cut), start,
+                                             matrix=False, axis_name=axis_name, reverse=cfg.reverse)
   if not states:
     return h_final
-  carry = carries[index] if h0 is None else jnp.where(entry, h0, carries[index])
   h, _ = _recurrence(cfg, a, b, carry, reset)
   return h, h_final
 

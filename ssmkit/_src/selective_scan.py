@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src import checks
+from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, from_device, vary_alike
 from ssmkit._src.linear_recurrence import linear_recurrence, nonzero_tangents, output_and_state_dtypes
-from ssmkit._src.matrix_state import state_pass
 from ssmkit._src.modes import Mode, default_chunk_size, parse_mode
 
 Array = jax.Array

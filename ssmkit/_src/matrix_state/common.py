@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src import checks
+from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, vary_alike
-from ssmkit._src.matrix_state import chunks, state_pass
+from ssmkit._src.matrix_state import chunks
 from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
 from ssmkit._src.modes import Mode, parse_mode, resolve_matrix_mode
 

@@ -1,8 +1,9 @@
-"""The maps that carry the (K, V) state across chunks, and how they are combined.
+"""The maps that carry a recurrence's state across chunks or devices, and how they combine.
 
-A chunk is summarised by the affine map it applies to the state entering it,
-S -> A S + U, where a reset inside the chunk cuts S off (S -> U). A is a decay that
-scales the rows of S (`(..., 1, 1)` one per head, `(..., K, 1)` one per key: linear
+A chunk (or a device's slice of time) is summarised by the affine map it applies to the
+state entering it, S -> A S + U, where a reset inside it cuts S off (S -> U). A is a decay
+that scales the state elementwise (a diagonal recurrence's `(..., D)`; the rows of a
+`(K, V)` matrix state, `(..., 1, 1)` one per head, `(..., K, 1)` one per key: linear
 attention) or a `(K, K)` matrix (the delta rule). Maps compose associatively, so they can
 be run one after another, as a tree (`lax.associative_scan`), or across the devices of a
 mesh axis.
@@ -10,6 +11,7 @@ mesh axis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -108,33 +110,84 @@ def fold(maps: Maps, *, matrix: bool, precision=None) -> Maps:
   return chunk(_prefixes(maps, matrix, precision), -1)
 
 
+# Up to this many devices along the mesh axis, `across_devices` all-gathers the maps; past it,
+# it combines them in log2(devices) rounds of `ppermute`.
+GATHER_MAX_DEVICES = 16
+
+
+def _shifted(x, axis_name: Hashable, size: int, shift: int, reverse: bool):
+  """`x` of the device `shift` places before this one in scan order (zeros where none is)."""
+  pairs = [(j, j - shift) for j in range(shift, size)] if reverse else [
+      (j, j + shift) for j in range(size - shift)]
+  return jax.tree.map(lambda a: lax.ppermute(a, axis_name, pairs), x)
+
+
+def _gathered_states(device: Maps, state: Array, index: Array, *, matrix: bool, axis_name: Hashable,
+                     reverse: bool, precision) -> tuple[Array, Array]:
+  """`(entering, final)` from all-gathered maps, composed in scan order on every device."""
+
+  def body(s, m):
+    return apply(m, s, matrix=matrix, precision=precision), s
+
+  gathered = lax.all_gather(device, axis_name)
+  final, incoming = lax.scan(body, jnp.zeros_like(gathered.u[0]), gathered, reverse=reverse)
+  return incoming[index], final
+
+
+def _log_depth_states(device: Maps, state: Array, index: Array, size: int, *, matrix: bool,
+                      axis_name: Hashable, reverse: bool, precision) -> tuple[Array, Array]:
+  """`(entering, final)` by a Hillis-Steele scan over the devices: in round r each device
+  composes the map it holds after the map of the device 2^r places before it, so after
+  log2(size) rounds it holds the map of every slice up to its own, and one map in memory."""
+  position = size - 1 - index if reverse else index
+  prefix = device
+  shift = 1
+  while shift < size:
+    earlier = _shifted(prefix, axis_name, size, shift, reverse)
+    joined = compose(earlier, prefix, matrix=matrix, precision=precision)
+    take = position >= shift
+    prefix = Maps(jnp.where(take, joined.a, prefix.a), jnp.where(take, joined.u, prefix.u),
+                  None if prefix.cut is None else jnp.where(take, joined.cut, prefix.cut))
+    shift *= 2
+  # The first device's map carries the initial state, so each prefix gives the state after
+  # its slice from a zero state: its `u`.
+  entering = _shifted(prefix.u, axis_name, size, 1, reverse)
+  final = from_device(prefix.u, position == size - 1, axis_name)
+  return entering, final
+
+
 def across_devices(
-    device: Maps, state: Array, *, matrix: bool, axis_name: Hashable, precision=None
+    device: Maps, state: Array, *, matrix: bool, axis_name: Hashable, precision=None,
+    reverse: bool = False, combine: str | None = None,
 ) -> tuple[Array, Array]:
   """The state entering this device's slice, and the state after the whole sequence.
 
   `device` is the map of this device's slice of time along the mesh axis `axis_name`.
-  The device holding the first slice applies it to `state` (so the initial state enters
-  once), the maps are all-gathered (a state or two per device) and composed in device
-  order. Autodiff runs through the collectives.
+  The device holding the first slice (the last when `reverse`) applies it to `state` (so the
+  initial state enters once), then the maps are composed in scan order: all-gathered (a
+  map per device in memory, one product per device to apply them) up to
+  `GATHER_MAX_DEVICES` devices, past that in log2(devices) rounds of `ppermute` (one map in
+  memory, two products per round). `combine` ("gather" or "ppermute") overrides the choice.
+  Autodiff runs through the collectives.
 
   Returns:
-    `(entering, final)`: `(Z, H, K, V)` each; `final` is the same on every device.
+    `(entering, final)`, each shaped like `state`; `final` is the same on every device.
   """
-  index, _ = axis_position(axis_name)
-  entry = index == 0
+  index, size = axis_position(axis_name)
+  entry = index == (size - 1 if reverse else 0)
   # The state is zeroed off the entry device before the product, for the same reason as in
   # `_cut_off`: a NaN initial state must not reach the other devices' gradients.
   own = apply(device, jnp.where(entry, state, jnp.zeros_like(state)), matrix=matrix,
               precision=precision)
   device = device._replace(u=jnp.where(entry, own, device.u))
-  gathered = lax.all_gather(device, axis_name)
-
-  def body(s, m):
-    return apply(m, s, matrix=matrix, precision=precision), s
-
-  final, incoming = lax.scan(body, jnp.zeros_like(gathered.u[0]), gathered)
-  entering = jnp.where(entry, state, incoming[index])
-  # Every device composed the same final state: the entry device's is the one to return.
-  final = from_device(final, entry, axis_name)
-  return entering, final
+  if combine is None:
+    combine = "gather" if size <= GATHER_MAX_DEVICES else "ppermute"
+  if combine not in ("gather", "ppermute"):
+    raise ValueError(f"`combine` must be 'gather' or 'ppermute', got {combine!r}.")
+  run = _gathered_states if combine == "gather" else functools.partial(_log_depth_states, size=size)
+  entering, final = run(device, state, index, matrix=matrix, axis_name=axis_name, reverse=reverse,
+                        precision=precision)
+  if combine == "gather":
+    # Every device composed the same final state: the entry device's is the one to return.
+    final = from_device(final, entry, axis_name)
+  return jnp.where(entry, state, entering), final
