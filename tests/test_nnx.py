@@ -321,7 +321,6 @@ def _models(**options):
 # Options of the model tests, the first also that of the generation test.
 MODELS = {
     "S5-scanned-tokens": dict(layer="S5", scan_blocks=True, vocab_size=7, num_outputs=7, pooling="none"),
-    "Mamba-unrolled": dict(layer="Mamba", pooling="none"),
     "S4D-bidirectional-layer-norm-postnorm": dict(layer="S4D-bidirectional", norm="layer",
                                                   activation="gelu", prenorm=False, pooling="last"),
     # Griffin's pattern, 4 blocks: one scanned repeat of the 3 and a tail of one.
