@@ -189,18 +189,58 @@ def not_cached():
   jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
+def _corpus(path):
+  """40 small Python files of random characters, two bytes of UTF-8 among them."""
+  path.mkdir()
+  rng = np.random.default_rng(0)
+  for i in range(40):
+    text = "".join(rng.choice(list("def x():\n  return 1 + é\n"), rng.integers(3, 60)))
+    (path / f"module_{i}.py").write_text(text, encoding="utf-8")
+  return path
+
+
+def test_a_language_model_split_over_time_trains_as_one_device(tmp_path):
+  """`lm_hybrid` (Gated DeltaNet blocks and a global-attention block) on data=2 x seq=4
+  devices: every sequence of 16 bytes is split into four slices of 4, one per device, with
+  documents crossing them; the loss at every step and the final parameters are those of one
+  device."""
+  overrides = [f"data.path={_corpus(tmp_path / 'corpus')}", "data.seq_len=16", "data.batch_size=4",
+               "data.validation_fraction=0.3", "model.features=16", "optimizer.warmup_steps=0",
+               "train.steps=4", "train.log_every=1", "train.eval_every=0"]
+  config = lambda *mesh: train.load_config("lm_hybrid", [*overrides, *mesh])
+  with jax.enable_x64(False):
+    for name, mesh in (("one", ["mesh.data=1"]), ("split", ["mesh.data=2", "mesh.seq=4"])):
+      train.lm.train_and_evaluate(config(*mesh), tmp_path / name)
+    run = train.supervised.setup(config("mesh.data=2", "mesh.seq=4"), lm_train.TASK)
+  assert dict(run.mesh.shape) == {"data": 2, "fsdp": 1, "seq": 4}
+  # The model ran split over time: its convolution windows crossed devices.
+  tokens = np.zeros((4, 16), np.int32)
+  program = str(jax.make_jaxpr(lambda p: run.state.apply_fn({"params": p}, tokens))(run.state.params))
+  assert "shard_map" in program and "ppermute" in program
+  np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "one"), rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+               _params(tmp_path / "split", 4), _params(tmp_path / "one", 4))
+  summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "split")]
+  np.testing.assert_allclose(summaries[1]["test_loss"], summaries[0]["test_loss"], rtol=2e-5)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["mesh.seq=3"], "`mesh.seq`=3 must divide the sequence length"),
+    (["mesh.seq=2", "model.norm=batch"], "norm='batch'"),
+    (["mesh.seq=0"], "`mesh.seq` must be a device count"),
+])
+def test_a_bad_split_over_time_is_named_before_training(overrides, match):
+  config = train.load_config("mnist1d_lru", ["mesh.data=1", *overrides])
+  with pytest.raises(train.ConfigError, match=match):
+    train.supervised.setup(config)
+
+
 @pytest.mark.usefixtures("not_cached")
 def test_a_language_model_sharded_over_fsdp_trains_as_one_device(tmp_path):
   """`lm_gated_deltanet` (blocks under `nn.scan`) on data=2 x fsdp=4 devices: the loss at every
   step and the final parameters of one device, while each device holds about a quarter of the
   parameters and optimizer state."""
-  corpus = tmp_path / "corpus"
-  corpus.mkdir()
-  rng = np.random.default_rng(0)
-  for i in range(40):
-    text = "".join(rng.choice(list("def x():\n  return 1 + é\n"), rng.integers(3, 60)))
-    (corpus / f"module_{i}.py").write_text(text, encoding="utf-8")
-  overrides = [f"data.path={corpus}", "data.seq_len=16", "data.batch_size=8",
+  overrides = [f"data.path={_corpus(tmp_path / 'corpus')}", "data.seq_len=16", "data.batch_size=8",
                "data.validation_fraction=0.3", "model.features=16", "model.num_blocks=2",
                "model.scan_blocks=true", "optimizer.warmup_steps=0", "train.steps=4",
                "train.log_every=1", "train.eval_every=0"]

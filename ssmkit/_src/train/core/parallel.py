@@ -1,10 +1,12 @@
 """Training on many devices and processes: the mesh, joining a multi-process run, placing arrays.
 
-A run's mesh has two axes. Every batch is split over all its devices ("data" and "fsdp"
-together); the parameters and the optimizer state are replicated over "data" and sharded over
+A run's mesh has three axes. Every batch is split over the devices of "data" and "fsdp"
+together; the parameters and the optimizer state are replicated over "data" and sharded over
 "fsdp" (fully sharded data parallelism: each weight is cut along one of its axes, and
 `jax.jit`'s partitioner gathers it where a block uses it, inside the scan over blocks one
-block at a time, and reduces its gradient onto the shards).
+block at a time, and reduces its gradient onto the shards). Every sequence is split over
+"seq" (sequence parallelism): the model runs inside `jax.shard_map` over that axis with
+`axis_name="seq"`, so each device holds the activations of a slice of time.
 `jax.jit` then runs the step over the whole batch, its gradient means and BatchNorm statistics
 reduced over every device, so the run computes what one device would, up to float rounding.
 Every process of a multi-process run holds the same host values (the dataset, and the data order,
@@ -25,6 +27,7 @@ from ssmkit._src.train.core.errors import ConfigError
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+SEQ_AXIS = "seq"
 # Environment variables that `initialize_distributed` reads when its argument is None.
 COORDINATOR_ADDRESS_ENV = "SSMKIT_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "SSMKIT_NUM_PROCESSES"
@@ -33,19 +36,25 @@ PROCESS_ID_ENV = "SSMKIT_PROCESS_ID"
 
 @dataclasses.dataclass
 class MeshConfig:
-  """The devices a run uses: a `jax.sharding.Mesh` of axes "data" and "fsdp" that split every batch.
+  """The devices a run uses: a `jax.sharding.Mesh` of axes "data" and "fsdp" that split every
+  batch, and "seq" that splits every sequence.
 
-  Parameters and optimizer state are replicated over "data" and sharded over "fsdp". A run may
-  resume on another mesh.
+  Parameters and optimizer state are replicated over "data" and "seq" and sharded over "fsdp".
+  A run may resume on another mesh.
   """
 
   # Devices on the "data" axis, which replicates the parameters; -1: every device of every
-  # process over `fsdp`. The mesh is the first data x fsdp devices of `jax.devices()`, and
-  # data x fsdp must divide the batch size; a multi-process run uses every device.
+  # process over `fsdp` x `seq`. The mesh is the first data x fsdp x seq devices of
+  # `jax.devices()`, and data x fsdp must divide the batch size; a multi-process run uses every
+  # device.
   data: int = -1
   # Devices on the "fsdp" axis, over which each parameter and its optimizer state are cut
   # along their largest axis that it divides (left whole where none does).
   fsdp: int = 1
+  # Devices on the "seq" axis, over which the time axis of every sequence is split: each holds
+  # the activations of 1 / seq of the steps (docs/sequence_parallel.md). It must divide the
+  # sequence length; BatchNorm's batch statistics cannot be split.
+  seq: int = 1
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -91,34 +100,37 @@ def make_mesh(config: MeshConfig, batch_size: int, batch_key: str) -> Mesh:
     batch_key: the config key of `batch_size`, for error messages.
 
   Raises:
-    ConfigError: if `mesh.fsdp` is below 1, `mesh.data` is neither -1 nor a positive count,
-      data x fsdp is more devices than this run has, is not every device of a multi-process
-      run, or does not divide `batch_size`.
+    ConfigError: if `mesh.fsdp` or `mesh.seq` is below 1, `mesh.data` is neither -1 nor a
+      positive count, data x fsdp x seq is more devices than this run has, is not every device
+      of a multi-process run, or data x fsdp does not divide `batch_size`.
   """
   devices = jax.devices()
-  if config.fsdp < 1:
-    raise ConfigError(f"`mesh.fsdp` must be a device count >= 1, got {config.fsdp}.")
+  for name in ("fsdp", "seq"):
+    if getattr(config, name) < 1:
+      raise ConfigError(f"`mesh.{name}` must be a device count >= 1, got {getattr(config, name)}.")
   if config.data == 0 or config.data < -1:
     raise ConfigError(f"`mesh.data` must be -1 (every device) or a device count, got {config.data}.")
-  if config.data == -1 and len(devices) % config.fsdp:
-    raise ConfigError(f"`mesh.fsdp`={config.fsdp} must divide the {len(devices)} devices this run "
-                      "has when `mesh.data` is -1.")
-  data = len(devices) // config.fsdp if config.data == -1 else config.data
-  size = data * config.fsdp
+  others = config.fsdp * config.seq
+  if config.data == -1 and len(devices) % others:
+    raise ConfigError(f"`mesh.fsdp` x `mesh.seq`={others} must divide the {len(devices)} devices "
+                      "this run has when `mesh.data` is -1.")
+  data = len(devices) // others if config.data == -1 else config.data
+  size = data * others
   if size > len(devices):
     raise ConfigError(
-        f"`mesh.data` x `mesh.fsdp`={size} asks for more devices than the {len(devices)} this "
-        f"run has ({devices[0].platform})."
+        f"`mesh.data` x `mesh.fsdp` x `mesh.seq`={size} asks for more devices than the "
+        f"{len(devices)} this run has ({devices[0].platform})."
     )
   if jax.process_count() > 1 and size != len(devices):
     raise ConfigError(
-        f"`mesh.data` x `mesh.fsdp` must be {len(devices)} in a run of {jax.process_count()} "
-        f"processes, which uses every device; got {size}."
+        f"`mesh.data` x `mesh.fsdp` x `mesh.seq` must be {len(devices)} in a run of "
+        f"{jax.process_count()} processes, which uses every device; got {size}."
     )
-  if batch_size % size:
+  if batch_size % (data * config.fsdp):
     raise ConfigError(f"`{batch_key}`={batch_size} must be a multiple of `mesh.data` x "
-                      f"`mesh.fsdp`, {size} devices.")
-  return Mesh(np.array(devices[:size]).reshape(data, config.fsdp), (DATA_AXIS, FSDP_AXIS))
+                      f"`mesh.fsdp`, {data * config.fsdp} devices.")
+  return Mesh(np.array(devices[:size]).reshape(data, config.fsdp, config.seq),
+              (DATA_AXIS, FSDP_AXIS, SEQ_AXIS))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -127,8 +139,37 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def split(mesh: Mesh) -> NamedSharding:
-  """The sharding of batches: the leading axis split over every device of the mesh."""
+  """The sharding of batches: the leading axis split over the devices of "data" and "fsdp"."""
   return NamedSharding(mesh, PartitionSpec((DATA_AXIS, FSDP_AXIS)))
+
+
+def over_time(apply_fn: Any, mesh: Mesh, per_step: bool) -> Any:
+  """`apply_fn` (a `SequenceModel`'s `apply`) with the time axis of its inputs split over the
+  mesh axis "seq": inside `jax.shard_map` over that axis alone (the others stay with
+  `jax.jit`'s partitioner), with `axis_name="seq"`.
+
+  Args:
+    apply_fn: `(variables, x, mask, reset, **options) -> outputs`, or `(outputs, updates)` with
+      `mutable`.
+    mesh: the run's mesh.
+    per_step: the outputs are per step `(B, T, ...)` (split like the inputs), else pooled `(B, ...)`.
+
+  Returns:
+    A function of `apply_fn`'s arguments; the same function when "seq" has one device.
+  """
+  if mesh.shape[SEQ_AXIS] == 1:
+    return apply_fn
+  time = PartitionSpec(None, SEQ_AXIS)
+  outputs = time if per_step else PartitionSpec()
+
+  def apply(variables, x, mask=None, reset=None, **options):
+    local = lambda variables, x, mask, reset: apply_fn(variables, x, mask, reset, axis_name=SEQ_AXIS,
+                                                       **options)
+    out_specs = (outputs, PartitionSpec()) if options.get("mutable") else outputs
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), time, time, time),
+                         out_specs=out_specs, axis_names={SEQ_AXIS})(variables, x, mask, reset)
+
+  return apply
 
 
 def state_shardings(mesh: Mesh, tree: Any) -> Any:

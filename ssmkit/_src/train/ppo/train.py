@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from ssmkit import layers
 from ssmkit._src.train.core import metrics, parallel, schema
 from ssmkit._src.train.core import workdir as workdirs
+from ssmkit._src.train.core.errors import ConfigError
 from ssmkit._src.train.core.loop import Loop, Rhythm
 from ssmkit._src.train.core.model import count_parameters, layer_names
 from ssmkit._src.train.ppo.agent import Agent, make_agent
@@ -69,6 +70,9 @@ def setup(config: PPOConfig) -> Setup:
     ConfigError: for any value out of range or that does not fit the environment or devices.
   """
   validate(config)
+  if config.mesh.seq != 1:
+    raise ConfigError(f"`mesh.seq` splits sequences over time, which PPO's rollouts, stepped one "
+                      f"step at a time, do not: it must be 1, got {config.mesh.seq}.")
   env = make_env(config.env)
   agent = make_agent(config.model, env)
   tx, schedule = make_optimizer(config.ppo, config.train.updates)

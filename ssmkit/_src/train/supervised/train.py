@@ -161,9 +161,23 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
   state = create_train_state(model, tx, example, params_key, config.model.mode, params=params)
+  _check_split_over_time(config, mesh, example["x"].shape[1])
+  state = state.replace(apply_fn=parallel.over_time(state.apply_fn, mesh, model.pooling == "none"))
   shardings = parallel.state_shardings(mesh, state)
   return Setup(dataset, mesh, model, order, length, parallel.place(state, shardings), shardings,
                parallel.place(dropout_key, parallel.replicated(mesh)), names)
+
+
+def _check_split_over_time(config: Any, mesh: Mesh, length: int) -> None:
+  """Refuses a "seq" axis that does not divide the sequences or meets BatchNorm's statistics."""
+  seq = mesh.shape[parallel.SEQ_AXIS]
+  if seq == 1:
+    return
+  if length % seq:
+    raise ConfigError(f"`mesh.seq`={seq} must divide the sequence length, {length} steps.")
+  if config.model.norm == "batch":
+    raise ConfigError("`mesh.seq` splits the sequences over time, over which norm='batch' takes "
+                      "its statistics: use `model.norm` 'layer' or 'rms'.")
 
 
 class _TestSplit(NamedTuple):
