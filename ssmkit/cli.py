@@ -51,7 +51,7 @@ _BENCHMARKS = {
 def _run_benchmark(args: argparse.Namespace) -> int:
   # Imported on use: `bench rl` needs rlax, which the other commands do not.
   module = importlib.import_module(_BENCHMARKS[args.benchmark][0])
-  options = {"layers": args.layers} if args.benchmark == "layers" else {}
+  options = {"layers": args.layers} if args.benchmark in ("layers", "sequence-parallel") else {}
   if args.benchmark == "training":
     options = {"configs": args.configs}
   if args.benchmark == "linear-attention":
@@ -94,11 +94,12 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
   for name, (_, text) in _BENCHMARKS.items():
     parser = benchmarks.add_parser(name, help=text, description=text)
     _add_common_bench_flags(parser, long=name == "layers")
-    if name == "layers":
+    if name in ("layers", "sequence-parallel"):
       parser.add_argument(
           "--layers", nargs="+", metavar="LAYER",
-          help="only these layers, by class name (LRU, Mamba2, GatedDeltaNet, ...); the depth "
-          "sweep runs when LRU is among them; default: every layer of the suite",
+          help="only these layers, by class name (LRU, Mamba2, GatedDeltaNet, ...)"
+          + ("; the depth sweep runs when LRU is among them" if name == "layers" else "")
+          + "; default: every layer of the suite",
       )
     if name == "linear-attention":
       from ssmkit.bench.linear_attention import FUNCTIONS

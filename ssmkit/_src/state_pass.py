@@ -110,9 +110,11 @@ def fold(maps: Maps, *, matrix: bool, precision=None) -> Maps:
   return chunk(_prefixes(maps, matrix, precision), -1)
 
 
-# Up to this many devices along the mesh axis, `across_devices` all-gathers the maps; past it,
-# it combines them in log2(devices) rounds of `ppermute`.
-GATHER_MAX_DEVICES = 16
+# Up to this many devices along the mesh axis, `across_devices` all-gathers the maps (one
+# collective); past it, it combines them in log2(devices) rounds of `ppermute`, holding one map
+# instead of one per device. On 8 host devices both took the same time at 2, 4 and 8 devices
+# (`ssmkit bench sequence-parallel`, docs/sequence_parallel.md).
+GATHER_MAX_DEVICES = 8
 
 
 def _shifted(x, axis_name: Hashable, size: int, shift: int, reverse: bool):

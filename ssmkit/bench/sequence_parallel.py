@@ -1,10 +1,18 @@
-"""`ssmkit bench sequence-parallel`: `linear_recurrence` split over devices against one device.
+"""`ssmkit bench sequence-parallel`: scans and layers split over devices against one device.
 
-For every shape, h_t = a_t * h_{t-1} + b_t (float32, a_t ~ U(0.5, 1), b_t ~ N(0, 1)) runs
-on the first device alone and with time split over every device (`jax.shard_map` over a
-mesh axis "seq", `axis_name="seq"`); the forward pass and the gradient of sum(h * w) with
-respect to `a` and `b` are timed. The sequence-parallel h, da and db are first checked
-against the one-device ones.
+Three tables, all in float32:
+
+- `linear_recurrence`: for every shape, h_t = a_t * h_{t-1} + b_t (a_t ~ U(0.5, 1),
+  b_t ~ N(0, 1)) runs on the first device alone and with time split over every device
+  (`jax.shard_map` over a mesh axis "seq", `axis_name="seq"`); the forward pass and the
+  gradient of sum(h * w) with respect to `a` and `b` are timed, after h, da and db are
+  checked against the one-device ones.
+- The devices' state maps combined by all-gather or in log2(devices) rounds of `ppermute`
+  (`ssmkit._src.state_pass.across_devices`), for the chunked delta rule, whose `(K, K)` maps
+  make the combine cost the most, over 2, 4, ... devices.
+- Every registered layer at its defaults: the gradient of sum(layer(x) * w) on one device and
+  split over every device, checked, timed, and the bytes of the results of the collectives
+  in the split program (what each device holds after them).
 
 Host (CPU) devices share the machine's cores and memory bandwidth, so on them this is a
 correctness and overhead measurement, not a speed claim: it shows what the collectives and
@@ -14,9 +22,14 @@ with their own compute and memory (GPUs, TPUs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import math
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +37,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ssmkit._src import state_pass
+from ssmkit._src.layers.registry import LAYERS
 from ssmkit.bench import _timing
-from ssmkit.scan import linear_recurrence
+from ssmkit.scan import delta_rule, linear_recurrence
 
 Array = jax.Array
 
 ONE = "one device"
 SPLIT = "sequence-parallel"
 
-# Agreement with the one-device result: elementwise, relative to the largest magnitude.
+# Agreement with the one-device result: elementwise, relative to the largest magnitude. A
+# layer's gradient passes through many more reassociated sums than one recurrence's.
 _RTOL = 1e-4
+_LAYER_RTOL = 2e-3
 _HOW_TO_GET_DEVICES = (
     "XLA_FLAGS=--xla_force_host_platform_device_count=8 ssmkit bench sequence-parallel"
 )
@@ -163,7 +180,153 @@ def _rows(group: list[Result], devices: int) -> list[tuple[str, ...]]:
   ]
 
 
-def run(*, shapes: str, repeats: int, markdown: bool) -> int:
+# ---------------------------------------------------------------------------------------------
+# Combining the devices' maps: all-gather against log2(devices) rounds of ppermute
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineShape:
+  """Gated delta rule inputs `(B, T, H, K)`, V = K: the `(K, K)` maps the combine composes.
+
+  Attributes:
+    batch, length, heads, dim: B, T (split over the devices), H and K = V.
+  """
+
+  batch: int
+  length: int
+  heads: int
+  dim: int
+
+  def __str__(self) -> str:
+    return f"B={self.batch} T={self.length} H={self.heads} K=V={self.dim}"
+
+
+COMBINE_SUITES = {"full": CombineShape(1, 2048, 4, 64), "small": CombineShape(1, 64, 1, 4)}
+COMBINES = ("gather", "ppermute")
+
+
+@contextlib.contextmanager
+def _combining(combine: str) -> Iterator[None]:
+  """Traces the scans inside with `combine` on every mesh size."""
+  saved = state_pass.GATHER_MAX_DEVICES
+  state_pass.GATHER_MAX_DEVICES = 2**31 if combine == "gather" else 0
+  try:
+    yield
+  finally:
+    state_pass.GATHER_MAX_DEVICES = saved
+
+
+def _delta_rule_inputs(shape: CombineShape, key: Array) -> tuple[Array, ...]:
+  dims = (shape.batch, shape.length, shape.heads)
+  keys = jax.random.split(key, 5)
+  q = jax.random.normal(keys[0], (*dims, shape.dim))
+  k = jax.random.normal(keys[1], (*dims, shape.dim))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(keys[2], (*dims, shape.dim))
+  beta = jax.random.uniform(keys[3], dims)
+  g = -jax.random.uniform(keys[4], dims, minval=0.0, maxval=0.1)
+  return q, k, v, beta, g
+
+
+def _map_kib(shape: CombineShape, devices: int, combine: str) -> str:
+  """The `(K, K)` and `(K, V)` maps one device holds while combining, in KiB (float32)."""
+  held = devices if combine == "gather" else 2
+  return _timing.significant(held * shape.batch * shape.heads * 2 * shape.dim**2 * 4 / 2**10)
+
+
+COMBINE_HEADERS = ("devices", "combine", "fwd ms", "fwd+bwd ms", "fwd+bwd x", "maps held KiB")
+
+
+def _bench_combine(shape: CombineShape, devices: list, repeats: int) -> list[tuple[str, ...]]:
+  """The chunked delta rule's forward and gradient over 2, 4, ... devices, each way."""
+  inputs = _delta_rule_inputs(shape, jax.random.key(0))
+  time = P(None, "seq")
+  rows = []
+  count = 2
+  while count <= len(devices):
+    mesh = Mesh(np.array(devices[:count]), ("seq",))
+    thunks, results = {}, {}
+    for combine in COMBINES:
+      # A new function for each way, so that no trace of the other is reused.
+      rule = jax.shard_map(lambda *x: delta_rule(*x, mode="chunked", axis_name="seq"),
+                           mesh=mesh, in_specs=(time,) * 5, out_specs=time)
+      loss = lambda *x, rule=rule: jnp.sum(jnp.sin(rule(*x)))
+      with _combining(combine):
+        forward, _ = _timing.compile_timed(rule, *inputs)
+        gradient, _ = _timing.compile_timed(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *inputs)
+      results[combine] = gradient(*inputs)
+      thunks[combine, "forward"] = functools.partial(forward, *inputs)
+      thunks[combine, "gradient"] = functools.partial(gradient, *inputs)
+    for got, want in zip(results["ppermute"], results["gather"], strict=True):
+      error = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+      if error > _RTOL:
+        raise RuntimeError(f"the combines disagree on {count} devices at {shape}: error {error:.3g}.")
+    seconds = _timing.interleaved_medians(thunks, repeats=repeats)
+    for combine in COMBINES:
+      rows.append((str(count), combine, _timing.significant(seconds[combine, "forward"] * 1e3),
+                   _timing.significant(seconds[combine, "gradient"] * 1e3),
+                   f"{seconds[combine, 'gradient'] / seconds['gather', 'gradient']:.2f}",
+                   _map_kib(shape, count, combine)))
+    count *= 2
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Every layer: one step of its gradient on one device and split over all, and what crosses
+
+
+LAYER_SUITES = {"full": (1, 2048, 64), "small": (1, 64, 16)}  # (B, T, H)
+LAYER_HEADERS = ("layer", "one device ms", "split ms", "split x", "max rel err",
+                 "collective KiB")
+# XLA's collectives, by the name of their (first) op in the compiled HLO.
+_COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "reduce-scatter", "all-to-all")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
+          "f64": 8, "s64": 8, "c64": 8, "c128": 16}
+
+
+def collective_bytes(compiled: jax.stages.Compiled) -> int:
+  """The bytes of the results of every collective in `compiled`'s HLO, for one device: what a
+  device holds after them (an all-gather's whole result, a permute's received block)."""
+  total = 0
+  for line in compiled.as_text().splitlines():
+    match = re.search(r"=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start)?\(", line)
+    if match is None:
+      continue
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", match.group(1)):
+      if dtype in _BYTES:
+        total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _bench_layer(name: str, make: Callable[[], Any], size: tuple[int, int, int], mesh: Mesh,
+                 repeats: int) -> tuple[str, ...]:
+  """The gradient of one layer's loss on one device and split over `mesh`, checked and timed."""
+  batch, length, width = size
+  layer = make()
+  key_x, key_w = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(key_x, (batch, length, width))
+  w = jax.random.normal(key_w, (batch, length, width))
+  params = jax.jit(layer.init)(jax.random.key(0), x)
+  time = P(None, "seq")
+  split = jax.shard_map(functools.partial(layer.apply, axis_name="seq"), mesh=mesh,
+                        in_specs=(P(), time), out_specs=time)
+  compiled, outputs, thunks = {}, {}, {}
+  for method, apply in ((ONE, layer.apply), (SPLIT, split)):
+    grad = jax.value_and_grad(lambda p, x, w, apply=apply: jnp.sum(apply(p, x) * w), argnums=(0, 1))
+    compiled[method], _ = _timing.compile_timed(grad, params, x, w)
+    outputs[method] = jax.tree.leaves(compiled[method](params, x, w))
+    thunks[method] = functools.partial(compiled[method], params, x, w)
+  error = max(float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+              for a, b in zip(outputs[SPLIT], outputs[ONE], strict=True))
+  if error > _LAYER_RTOL:
+    raise RuntimeError(f"{name} split over devices disagrees with one device: error {error:.3g}.")
+  seconds = _timing.interleaved_medians(thunks, repeats=repeats)
+  return (name, _timing.significant(seconds[ONE] * 1e3), _timing.significant(seconds[SPLIT] * 1e3),
+          f"{seconds[SPLIT] / seconds[ONE]:.2f}", f"{error:.1e}",
+          _timing.significant(collective_bytes(compiled[SPLIT]) / 2**10))
+
+
+def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None = None) -> int:
   """Runs the benchmark suite named `shapes` on every device, printing each shape's rows as
   measured.
 
@@ -171,11 +334,20 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
     shapes: a key of `SUITES`: "full", or "small" for a run of a few seconds.
     repeats: timed samples per cell, the methods taking turns; the median is shown.
     markdown: print a GitHub markdown table instead of plain text.
+    layers: the layers of the last table, by class name; None: every registered layer.
 
   Returns:
     0, the exit status, also when fewer than two devices are present (the message says
-    how to get host devices).
+    how to get host devices); 2 for an unknown layer name.
   """
+  chosen = {entry.layer.__name__: entry.layer for entry in LAYERS.values()}
+  unknown = sorted(set(layers or ()) - set(chosen))
+  if unknown:
+    print(f"ssmkit bench sequence-parallel: unknown layer(s) {', '.join(unknown)}; choose from "
+          f"{', '.join(chosen)}.", file=sys.stderr)
+    return 2
+  if layers:
+    chosen = {name: chosen[name] for name in layers}
   devices = jax.devices()
   if len(devices) < 2:
     print(
@@ -207,4 +379,21 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   )
   for i, shape in enumerate(_timing.within_budget(suite, "sequence-parallel")):
     table.add(_rows(_bench_shape(shape, mesh, repeats, jax.random.key(i)), n))
+
+  combine_shape = COMBINE_SUITES[shapes]
+  print(f"\nCombining the devices' state maps, `delta_rule` chunked at {combine_shape}: all-gathered "
+        f"(up to {state_pass.GATHER_MAX_DEVICES} devices by default) or in log2(devices) rounds "
+        "of ppermute. x: time over the all-gather's; maps held: per device while combining.\n")
+  table = _timing.StreamedTable(COMBINE_HEADERS, [[str(2**i) for i in range(1, 8)], COMBINES],
+                                markdown=markdown)
+  table.add(_bench_combine(combine_shape, devices, repeats))
+
+  batch, length, width = LAYER_SUITES[shapes]
+  size = (batch, length - length % n, width)
+  print(f"\nEvery layer at its defaults, B={batch} T={size[1]} H={width}: the gradient of "
+        f"sum(layer(x) * w) on {ONE} and split over {n} devices. collective KiB: the results of "
+        "the split program's collectives on one device (all-gathers whole, permutes as received).\n")
+  table = _timing.StreamedTable(LAYER_HEADERS, [list(chosen)], markdown=markdown)
+  for name in _timing.within_budget(list(chosen), "sequence-parallel layers"):
+    table.add([_bench_layer(name, chosen[name], size, mesh, repeats)])
   return 0
