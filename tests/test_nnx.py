@@ -124,7 +124,12 @@ def test_gradients_through_nnx_grad_are_finite(layer):
     assert np.all(np.isfinite(g)) and np.any(g != 0)
 
 
-def test_nnx_vmap_over_the_batch(layer):
+@pytest.mark.parametrize("name", ["lru", "mamba2", "rwkv7", "attention"])
+def test_nnx_vmap_over_the_batch(name):
+  """`nnx.vmap` over a batch axis, one diagonal, two matrix-state layers and attention: the
+  front end's vmap is the same for every layer (`test_layers` vmaps each linen layer)."""
+  layer = LAYERS[name][0](WIDTH, rngs=nnx.Rngs(0))
+  nnx.update(layer, registered.drawn_where_zero(nnx.state(layer, nnx.Param)))
   x = _x((2, 13, WIDTH))
   y = nnx.vmap(lambda module, x: module(x), in_axes=(None, 0))(layer, x)
   _assert_close(y, _call(layer, x, None))

@@ -120,8 +120,9 @@ def _rlax_cases(length, axis):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("axis", [0, 1])
-def test_matches_vmapped_rlax(mode, length, axis):
+def test_matches_vmapped_rlax(mode, length):
+  # Time leads for every other length, and is axis 1 for the rest.
+  axis = LENGTHS.index(length) % 2
   (r, d, v, lam, values, bootstrap), expected = _rlax_cases(length, axis)
   _assert_close(rl.discounted_returns(r, d, bootstrap, axis=axis, mode=mode), expected["returns"])
   for i, lam_arg in enumerate((0.9, lam)):
@@ -171,7 +172,7 @@ def _with_truncations(rng, length, batch=3):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length", [1, 7, 13, 97])
 def test_truncation_matches_episode_by_episode_reference(mode, length):
   rng = np.random.default_rng(length + 1000)
   r, d, v, truncated, final = _with_truncations(rng, length)
