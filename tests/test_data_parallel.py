@@ -133,10 +133,10 @@ def test_batch_norm_statistics_span_the_whole_batch():
     ("override", "message"),
     [
         ("mesh.data=0", r"`mesh.data` must be -1"),
-        ("mesh.data=16", r"`mesh.data` x `mesh.fsdp`=16 asks for more devices than the 8"),
+        ("mesh.data=16", r"`mesh.data` x `mesh.fsdp` x `mesh.seq`=16 asks for more devices than the 8"),
         ("mesh.data=3", r"`data.batch_size`=16 must be a multiple of `mesh.data` x `mesh.fsdp`, 3 "),
         ("mesh.fsdp=0", r"`mesh.fsdp` must be a device count >= 1, got 0"),
-        ("mesh.fsdp=3", r"`mesh.fsdp`=3 must divide the 8 devices this run has"),
+        ("mesh.fsdp=3", r"`mesh.fsdp` x `mesh.seq`=3 must divide the 8 devices this run has"),
     ],
 )
 def test_bad_mesh_is_a_config_error(override, message, tmp_path):
@@ -200,12 +200,14 @@ def _corpus(path):
 
 
 def test_a_language_model_split_over_time_trains_as_one_device(tmp_path):
-  """`lm_hybrid` (Gated DeltaNet blocks and a global-attention block) on data=2 x seq=4
+  """`lm_hybrid` (a Gated DeltaNet block and a global-attention block) on data=2 x seq=4
   devices: every sequence of 16 bytes is split into four slices of 4, one per device, with
   documents crossing them; the loss at every step and the final parameters are those of one
   device."""
   overrides = [f"data.path={_corpus(tmp_path / 'corpus')}", "data.seq_len=16", "data.batch_size=4",
-               "data.validation_fraction=0.3", "model.features=16", "optimizer.warmup_steps=0",
+               "data.validation_fraction=0.3", "model.features=16",
+               "model.layer=[gated_deltanet,attention]", "model.num_blocks=2",
+               "optimizer.warmup_steps=0",
                "train.steps=4", "train.log_every=1", "train.eval_every=0"]
   config = lambda *mesh: train.load_config("lm_hybrid", [*overrides, *mesh])
   with jax.enable_x64(False):
@@ -257,5 +259,5 @@ def test_a_language_model_sharded_over_fsdp_trains_as_one_device(tmp_path):
   total = sum(leaf.nbytes for leaf in leaves)
   on_first = sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards
                  if shard.device == run.mesh.devices.flat[0])
-  assert dict(run.mesh.shape) == {"data": 2, "fsdp": 4}
+  assert dict(run.mesh.shape) == {"data": 2, "fsdp": 4, "seq": 1}
   assert 0.25 * total <= on_first < 0.3 * total

@@ -25,7 +25,6 @@ from ssmkit.scan import (
   linear_attention,
   linear_recurrence,
   linear_recurrence_final_state,
-  mamba3,
   operators,
 )
 
@@ -519,38 +518,6 @@ def test_matrix_state_across_devices_equals_one_device(function, mode):
   expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, a, b, state, reset)
   _assert_trees_close(out, expected)
   _assert_trees_close(grads, expected_grads)
-
-
-@pytest.mark.parametrize("ranks, rotary", [(None, "interleaved"), (2, "halves")], ids=["siso", "mimo"])
-def test_mamba3_across_devices_equals_one_device(ranks, rotary):
-  """The next token's share of each write and the last token's key and value cross devices;
-  an initial state, resets at and inside slice edges, the final state, gradients."""
-  rng = np.random.default_rng(31)
-  batch, length, heads, n, p = 2, DEVICES * 5, 2, 4, 2
-  rows = (batch, length) + (() if ranks is None else (ranks,)) + (heads,)
-  q, k = rng.normal(size=(*rows, n)), rng.normal(size=(*rows, n))
-  v = rng.normal(size=(*rows, p))
-  dt = rng.uniform(0.1, 1.0, (batch, length, heads))
-  g, lam = -dt * rng.uniform(0.5, 2.0, dt.shape), rng.uniform(0.0, 1.0, dt.shape)
-  rate = rng.normal(size=(batch, length, heads, 1))
-  start = (rng.normal(size=(batch, heads, n, p)), rng.normal(size=(batch, heads, 1)),
-           rng.normal(size=(batch, *rows[2:], n)), rng.normal(size=(batch, *rows[2:], p)))
-  reset = _resets(rng, length, batch).T
-
-  def run(q, k, v, g, dt, lam, rate, start, reset, axis_name=None):
-    o, final = mamba3(q, k, v, g, dt, lam, rate, rotary=rotary, initial_state=start, reset=reset,
-                      mode="chunked", chunk_size=4, return_final_state=True, axis_name=axis_name)
-    return o, tuple(final)
-
-  time = P(None, "seq")
-  sharded = _sharded(functools.partial(run, axis_name="seq"), (time,) * 7 + (P(), time),
-                     (time, P()))
-  args = (q, k, v, g, dt, lam, rate, start, reset)
-  out, grads = _outputs_and_grads(sharded, tuple(range(8)), *args)
-  expected, expected_grads = _outputs_and_grads(run, tuple(range(8)), *args)
-  for got, want in zip(jax.tree.leaves((out, grads)), jax.tree.leaves((expected, expected_grads)),
-                       strict=True):
-    _assert_close(got, want)
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["linear_attention", "delta_rule"])

@@ -237,13 +237,13 @@ def _map_kib(shape: CombineShape, devices: int, combine: str) -> str:
 COMBINE_HEADERS = ("devices", "combine", "fwd ms", "fwd+bwd ms", "fwd+bwd x", "maps held KiB")
 
 
-def _bench_combine(shape: CombineShape, devices: list, repeats: int) -> list[tuple[str, ...]]:
-  """The chunked delta rule's forward and gradient over 2, 4, ... devices, each way."""
+def _bench_combine(shape: CombineShape, devices: list, counts: list[int], repeats: int
+                   ) -> list[tuple[str, ...]]:
+  """The chunked delta rule's forward and gradient over each of `counts` devices, each way."""
   inputs = _delta_rule_inputs(shape, jax.random.key(0))
   time = P(None, "seq")
   rows = []
-  count = 2
-  while count <= len(devices):
+  for count in counts:
     mesh = Mesh(np.array(devices[:count]), ("seq",))
     thunks, results = {}, {}
     for combine in COMBINES:
@@ -267,7 +267,6 @@ def _bench_combine(shape: CombineShape, devices: list, repeats: int) -> list[tup
                    _timing.significant(seconds[combine, "gradient"] * 1e3),
                    f"{seconds[combine, 'gradient'] / seconds['gather', 'gradient']:.2f}",
                    _map_kib(shape, count, combine)))
-    count *= 2
   return rows
 
 
@@ -384,9 +383,11 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
   print(f"\nCombining the devices' state maps, `delta_rule` chunked at {combine_shape}: all-gathered "
         f"(up to {state_pass.GATHER_MAX_DEVICES} devices by default) or in log2(devices) rounds "
         "of ppermute. x: time over the all-gather's; maps held: per device while combining.\n")
-  table = _timing.StreamedTable(COMBINE_HEADERS, [[str(2**i) for i in range(1, 8)], COMBINES],
+  # The full suite doubles the devices from 2; the small one takes them all at once.
+  counts = [2**i for i in range(1, n.bit_length()) if 2**i <= n] if shapes == "full" else [n]
+  table = _timing.StreamedTable(COMBINE_HEADERS, [list(map(str, counts)), COMBINES],
                                 markdown=markdown)
-  table.add(_bench_combine(combine_shape, devices, repeats))
+  table.add(_bench_combine(combine_shape, devices, counts, repeats))
 
   batch, length, width = LAYER_SUITES[shapes]
   size = (batch, length - length % n, width)

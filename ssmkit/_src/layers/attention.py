@@ -292,7 +292,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   rows = math.prod(batch)
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   state = jax.tree.map(lambda s: s.reshape((rows, *s.shape[len(batch):])), state)
-  if length == 0 and axis_name is None:
+  if length == 0:  # (every slice is as long: none has a step either)
     unflat = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), state)
     return jnp.zeros(x.shape, x.dtype), unflat
   xf = x.reshape(rows, length, features)
@@ -328,12 +328,11 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                                     jnp.arange(-size, 0, dtype=jnp.int32)[None], _LOWEST), axis=1)
   # The cache after the last step: the last `size` steps of the cache and the sequence, valid
   # where in the last document; on the device holding the last slice, which sees them all.
-  last_doc = where.document[:, -1:] if length else jnp.zeros((rows, 1), jnp.int32)
+  last_doc = where.document[:, -1:]
   kept = state.valid & (last_doc == 0)
   tail = lambda a, b: jnp.concatenate([a, b], axis=1)[:, -size:]
   final = AttentionState(tail(state.k, keys.k), tail(state.v, keys.v),
-                         tail(kept, keys.valid & (keys.document == last_doc)),
-                         positions[:, -1] + 1 if length else state.position)
+                         tail(kept, keys.valid & (keys.document == last_doc)), positions[:, -1] + 1)
   # A non-finite query, key or value is zeroed before the products, and the outputs that read
   # it are set to NaN after: inside a product, a masked NaN would meet its zero weight as
   # 0 * NaN and reach every query, values and gradients.
