@@ -55,21 +55,3 @@ def host_devices():
   with multi_device.on_host_devices():
     yield
 
-
-# The test files that take longest, longest first (summed `pytest --durations=0` times). xdist
-# hands whole files to its two workers in collection order, so the long files start first and
-# the short ones fill in at the end, instead of one worker idling while the other finishes a
-# long file. Files not listed follow, in their usual order.
-LONGEST_FIRST = (
-    "test_matrix_state.py", "test_layers.py", "test_layer_sequence_parallel.py", "test_nnx.py",
-    "test_models.py", "test_rl.py", "test_hybrid.py", "test_sequence_parallel.py",
-    "test_bench_smoke.py", "test_train.py", "test_linear_recurrence.py", "test_data_parallel.py",
-    "test_mamba3.py", "test_off_policy.py", "test_modern_layers.py", "test_lm.py", "test_ppo.py",
-    "test_text.py", "test_pretrained.py", "test_forward_fill.py", "test_associative_scan.py",
-    "test_registry.py", "test_selective_scan.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
