@@ -187,7 +187,7 @@ def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys)
 @pytest.mark.parametrize("function", la_bench.FUNCTIONS)
 def test_bench_linear_attention_baselines_compute_each_function(function):
   """Each function's hand-written lax.scan equals ssmkit's on the bench's own inputs."""
-  args, _ = la_bench._inputs(function, la_bench.Shape(1, 6, 2, 3), jax.random.key(0))
+  args, _ = la_bench.inputs(function, la_bench.Shape(1, 6, 2, 3), jax.random.key(0))
   methods = la_bench._methods(function, la_bench.Shape(1, 6, 2, 3))
   np.testing.assert_allclose(methods["lax.scan"](*args), methods["ssmkit sequential"](*args),
                              rtol=1e-5, atol=1e-5)

@@ -201,7 +201,7 @@ def _chunked_autodiff(q, k, v, g):
   return jnp.moveaxis(out, 1, 3).reshape(batch, count * size, heads, -1)[:, :length]
 
 
-# function -> (its lax.scan, ssmkit's function in a mode); both take `_inputs`' arrays.
+# function -> (its lax.scan, ssmkit's function in a mode); both take `inputs`' arrays.
 _FUNCTIONS: dict[str, tuple[Method, Callable[[str], Method]]] = {
     "linear_attention": (_scan_linear_attention, lambda mode: lambda q, k, v, g: linear_attention(
         q, k, v, g, mode=mode)),
@@ -232,7 +232,7 @@ def _methods(function: str, shape: Shape) -> dict[str, Method]:
   return methods
 
 
-def _inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], Array]:
+def inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], Array]:
   """The function's inputs and the output weights w."""
   keys = jax.random.split(key, 7)
   dims = (shape.batch, shape.length, shape.heads, shape.dim)
@@ -272,7 +272,7 @@ class Result:
 
 
 def _bench(function: str, shape: Shape, repeats: int, key: Array) -> list[Result]:
-  args, w = _inputs(function, shape, key)
+  args, w = inputs(function, shape, key)
   count = len(args)
   compiled, reference = {}, None
   for name, method in _methods(function, shape).items():

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from ssmkit._src import state_pass
 from ssmkit._src.layers.registry import LAYERS
-from ssmkit.bench import _timing
+from ssmkit.bench import _timing, linear_attention
 from ssmkit.scan import delta_rule, linear_recurrence
 
 Array = jax.Array
@@ -184,24 +184,9 @@ def _rows(group: list[Result], devices: int) -> list[tuple[str, ...]]:
 # Combining the devices' maps: all-gather against log2(devices) rounds of ppermute
 
 
-@dataclasses.dataclass(frozen=True)
-class CombineShape:
-  """Gated delta rule inputs `(B, T, H, K)`, V = K: the `(K, K)` maps the combine composes.
-
-  Attributes:
-    batch, length, heads, dim: B, T (split over the devices), H and K = V.
-  """
-
-  batch: int
-  length: int
-  heads: int
-  dim: int
-
-  def __str__(self) -> str:
-    return f"B={self.batch} T={self.length} H={self.heads} K=V={self.dim}"
-
-
-COMBINE_SUITES = {"full": CombineShape(1, 2048, 4, 64), "small": CombineShape(1, 64, 1, 4)}
+# Gated delta rule inputs `(B, T, H, K)`, V = K: the `(K, K)` maps the combine composes.
+COMBINE_SUITES = {"full": linear_attention.Shape(1, 2048, 4, 64),
+                  "small": linear_attention.Shape(1, 64, 1, 4)}
 COMBINES = ("gather", "ppermute")
 
 
@@ -216,19 +201,7 @@ def _combining(combine: str) -> Iterator[None]:
     state_pass.GATHER_MAX_DEVICES = saved
 
 
-def _delta_rule_inputs(shape: CombineShape, key: Array) -> tuple[Array, ...]:
-  dims = (shape.batch, shape.length, shape.heads)
-  keys = jax.random.split(key, 5)
-  q = jax.random.normal(keys[0], (*dims, shape.dim))
-  k = jax.random.normal(keys[1], (*dims, shape.dim))
-  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(keys[2], (*dims, shape.dim))
-  beta = jax.random.uniform(keys[3], dims)
-  g = -jax.random.uniform(keys[4], dims, minval=0.0, maxval=0.1)
-  return q, k, v, beta, g
-
-
-def _map_kib(shape: CombineShape, devices: int, combine: str) -> str:
+def _map_kib(shape: linear_attention.Shape, devices: int, combine: str) -> str:
   """The `(K, K)` and `(K, V)` maps one device holds while combining, in KiB (float32)."""
   held = devices if combine == "gather" else 2
   return _timing.significant(held * shape.batch * shape.heads * 2 * shape.dim**2 * 4 / 2**10)
@@ -237,10 +210,11 @@ def _map_kib(shape: CombineShape, devices: int, combine: str) -> str:
 COMBINE_HEADERS = ("devices", "combine", "fwd ms", "fwd+bwd ms", "fwd+bwd x", "maps held KiB")
 
 
-def _bench_combine(shape: CombineShape, devices: list, counts: list[int], repeats: int
+def _bench_combine(shape: linear_attention.Shape, devices: list, counts: list[int], repeats: int
                    ) -> list[tuple[str, ...]]:
   """The chunked delta rule's forward and gradient over each of `counts` devices, each way."""
-  inputs = _delta_rule_inputs(shape, jax.random.key(0))
+  (q, k, v, g, beta), _ = linear_attention.inputs("delta_rule", shape, jax.random.key(0))
+  inputs = (q, k, v, beta, g)
   time = P(None, "seq")
   rows = []
   for count in counts:
