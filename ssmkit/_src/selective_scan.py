@@ -26,16 +26,21 @@ Array = jax.Array
 Chunks = tuple[Array, Array, Array, Array]
 
 
-def _step(a_t: Array, h: Array, u: Array, dt: Array, b: Array, c: Array,
-          reset: Array | None) -> tuple[Array, Array]:
-  """One step from `(B, N, D)` state `h`: the next state and the `(B, D)` output.
+def _advance(a_t: Array, h: Array, u: Array, dt: Array, b: Array, reset: Array | None) -> Array:
+  """The `(B, N, D)` state after one step from `h`.
 
   `a_t` is `(N, D)`, or `(B, N, D)` when broadcast over the batch.
   """
   if reset is not None:
     h = jnp.where(reset[:, None, None], jnp.zeros_like(h), h)
   decay = jnp.exp(dt[:, None, :] * a_t.reshape((1,) * (3 - a_t.ndim) + a_t.shape))
-  h = decay * h + b[:, :, None] * (dt * u)[:, None, :]
+  return decay * h + b[:, :, None] * (dt * u)[:, None, :]
+
+
+def _step(a_t: Array, h: Array, u: Array, dt: Array, b: Array, c: Array,
+          reset: Array | None) -> tuple[Array, Array]:
+  """One step from `(B, N, D)` state `h`: the next state and the `(B, D)` output."""
+  h = _advance(a_t, h, u, dt, b, reset)
   return h, jnp.sum(h * c[..., None], axis=-2)
 
 
@@ -119,10 +124,8 @@ def _last_state(a_t: Array, h0: Array, xs: Chunks, reset: Array | None) -> Array
 
   @jax.checkpoint
   def chunk(h, inputs):
-    (u, dt, b, c), reset = inputs
-    del c
-    steps = (u, dt, b, jnp.zeros_like(b), reset)
-    return lax.scan(lambda h, x_t: (_step(a_t, h, *x_t)[0], None), h, steps)[0], None
+    (u, dt, b, _), reset = inputs
+    return lax.scan(lambda h, x_t: (_advance(a_t, h, *x_t), None), h, (u, dt, b, reset))[0], None
 
   return lax.scan(chunk, h0, (xs, reset))[0]
 

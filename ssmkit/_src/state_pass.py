@@ -124,7 +124,7 @@ def _shifted(x, axis_name: Hashable, size: int, shift: int, reverse: bool):
   return jax.tree.map(lambda a: lax.ppermute(a, axis_name, pairs), x)
 
 
-def _gathered_states(device: Maps, state: Array, index: Array, *, matrix: bool, axis_name: Hashable,
+def _gathered_states(device: Maps, index: Array, *, matrix: bool, axis_name: Hashable,
                      reverse: bool, precision) -> tuple[Array, Array]:
   """`(entering, final)` from all-gathered maps, composed in scan order on every device."""
 
@@ -136,7 +136,7 @@ def _gathered_states(device: Maps, state: Array, index: Array, *, matrix: bool, 
   return incoming[index], final
 
 
-def _log_depth_states(device: Maps, state: Array, index: Array, size: int, *, matrix: bool,
+def _log_depth_states(device: Maps, index: Array, size: int, *, matrix: bool,
                       axis_name: Hashable, reverse: bool, precision) -> tuple[Array, Array]:
   """`(entering, final)` by a Hillis-Steele scan over the devices: in round r each device
   composes the map it holds after the map of the device 2^r places before it, so after
@@ -187,7 +187,7 @@ def across_devices(
   if combine not in ("gather", "ppermute"):
     raise ValueError(f"`combine` must be 'gather' or 'ppermute', got {combine!r}.")
   run = _gathered_states if combine == "gather" else functools.partial(_log_depth_states, size=size)
-  entering, final = run(device, state, index, matrix=matrix, axis_name=axis_name, reverse=reverse,
+  entering, final = run(device, index, matrix=matrix, axis_name=axis_name, reverse=reverse,
                         precision=precision)
   if combine == "gather":
     # Every device composed the same final state: the entry device's is the one to return.
