@@ -1,6 +1,7 @@
 """`ssmkit.rl`: rlax's test vectors, rlax itself, float64 references, truncation, errors."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,18 @@ def test_rlax_vectors_gae(mode, lambda_, expected):
   )
 
 
+# The estimators compiled once per shape and options, shared by the comparisons below: called
+# eagerly, every primitive inside them would compile a program of its own for each shape.
+_OPTIONS = ("axis", "mode", "stop_target_gradients")
+JIT = types.SimpleNamespace(
+    discounted_returns=jax.jit(rl.discounted_returns, static_argnames=_OPTIONS),
+    lambda_returns=jax.jit(rl.lambda_returns, static_argnames=_OPTIONS),
+    generalized_advantage_estimation=jax.jit(rl.generalized_advantage_estimation,
+                                             static_argnames=_OPTIONS),
+    n_step_returns=jax.jit(rl.n_step_returns, static_argnames=("n", "axis", "stop_target_gradients")),
+)
+
+
 def _trajectories(rng, shape, dtype=np.float64, zero_fraction=0.1):
   """Rewards, discounts with episode ends (0) and values of the same shape."""
   rewards = rng.normal(size=shape)
@@ -124,10 +137,10 @@ def test_matches_vmapped_rlax(mode, length):
   # Time leads for every other length, and is axis 1 for the rest.
   axis = LENGTHS.index(length) % 2
   (r, d, v, lam, values, bootstrap), expected = _rlax_cases(length, axis)
-  _assert_close(rl.discounted_returns(r, d, bootstrap, axis=axis, mode=mode), expected["returns"])
+  _assert_close(JIT.discounted_returns(r, d, bootstrap, axis=axis, mode=mode), expected["returns"])
   for i, lam_arg in enumerate((0.9, lam)):
-    _assert_close(rl.lambda_returns(r, d, v, lam_arg, axis=axis, mode=mode), expected["lambda", i])
-    _assert_close(rl.generalized_advantage_estimation(r, d, values, lam_arg, axis=axis, mode=mode),
+    _assert_close(JIT.lambda_returns(r, d, v, lam_arg, axis=axis, mode=mode), expected["lambda", i])
+    _assert_close(JIT.generalized_advantage_estimation(r, d, values, lam_arg, axis=axis, mode=mode),
                   expected["gae", i])
 
 
@@ -137,8 +150,9 @@ def test_n_step_matches_vmapped_rlax(n, length):
   rng = np.random.default_rng(n * 100 + length)
   r, d, v = _trajectories(rng, (4, length))
   lam = rng.uniform(0, 1, (4, length))
-  expected = jax.vmap(lambda *x: rlax.n_step_bootstrapped_returns(*x[:3], n, x[3]))(r, d, v, lam)
-  _assert_close(rl.n_step_returns(r, d, v, n, lam, axis=1), expected)
+  expected = jax.jit(jax.vmap(lambda *x: rlax.n_step_bootstrapped_returns(*x[:3], n, x[3])))(
+      r, d, v, lam)
+  _assert_close(JIT.n_step_returns(r, d, v, n, lam, axis=1), expected)
 
 
 @settings(max_examples=12, deadline=None)
@@ -154,11 +168,11 @@ def test_any_time_axis_and_batch_axes(batch, length, data):
   r, d, v = _trajectories(rng, shape)
   lam = rng.uniform(0, 1, shape)
   move = lambda x: np.moveaxis(x, axis, -1).reshape(-1, length)
-  expected = jax.vmap(rlax.lambda_returns)(move(r), move(d), move(v), move(lam))
-  actual = rl.lambda_returns(r, d, v, lam, axis=axis)
+  expected = jax.jit(jax.vmap(rlax.lambda_returns))(move(r), move(d), move(v), move(lam))
+  actual = JIT.lambda_returns(r, d, v, lam, axis=axis)
   _assert_close(move(np.asarray(actual)), expected)
-  actual = rl.n_step_returns(r, d, v, 3, lam, axis=axis)
-  expected = jax.vmap(lambda *x: rlax.n_step_bootstrapped_returns(*x[:3], 3, x[3]))(
+  actual = JIT.n_step_returns(r, d, v, 3, lam, axis=axis)
+  expected = jax.jit(jax.vmap(lambda *x: rlax.n_step_bootstrapped_returns(*x[:3], 3, x[3])))(
       move(r), move(d), move(v), move(lam))
   _assert_close(move(np.asarray(actual)), expected)
 
@@ -187,22 +201,22 @@ def test_truncation_matches_episode_by_episode_reference(mode, length):
 
   zeros = np.zeros_like(r)
   _assert_close(
-      rl.discounted_returns(r, d, bootstrap, mode=mode, **cut),
+      JIT.discounted_returns(r, d, bootstrap, mode=mode, **cut),
       expect(lambda *x: references.lambda_returns(x[0], x[1], x[2], 1.0, x[3], x[4], x[5]),
              r, d, zeros, bootstrap, truncated, final),
   )
   _assert_close(
-      rl.lambda_returns(r, d, v, lam, mode=mode, **cut),
+      JIT.lambda_returns(r, d, v, lam, mode=mode, **cut),
       expect(lambda *x: references.lambda_returns(x[0], x[1], x[2], x[3], x[2][-1], x[4], x[5]),
              r, d, v, lam, truncated, final),
   )
   _assert_close(
-      rl.generalized_advantage_estimation(r, d, values, lam, mode=mode, **cut),
+      JIT.generalized_advantage_estimation(r, d, values, lam, mode=mode, **cut),
       expect(references.generalized_advantage_estimation, r, d, values, lam, truncated, final),
   )
   for n in (1, 3, 10):
     _assert_close(
-        rl.n_step_returns(r, d, v, n, lam, **cut),
+        JIT.n_step_returns(r, d, v, n, lam, **cut),
         expect(lambda *x, n=n: references.n_step_returns(x[0], x[1], x[2], n, *x[3:]),
                r, d, v, lam, truncated, final),
     )
