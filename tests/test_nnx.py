@@ -70,9 +70,17 @@ def layer(request):
 # The layer contract, on the NNX modules (one shape throughout, so compiled code is shared).
 
 
-# Shared by the tests: nnx.jit compiles once per layer configuration and input shape.
+# Shared by the tests: nnx.jit compiles once per module configuration and input shape. Called
+# eagerly, every primitive inside a module compiles a program of its own.
 _call = nnx.jit(lambda module, x, reset: module(x, reset))
 _call_with_state = nnx.jit(lambda module, x, reset: module(x, reset, return_state=True))
+_run = nnx.jit(lambda module, *args: module(*args))
+_step = nnx.jit(lambda module, *args: module.step(*args))
+
+
+def _apply(module, method=None):
+  """The linen `module.apply`, compiled."""
+  return jax.jit(functools.partial(module.apply, method=method))
 
 
 def test_sequence_equals_stepping_under_nnx_scan(layer):
@@ -201,21 +209,21 @@ def test_bad_input_names_the_argument(layer):
 def test_layer_equals_linen_with_converted_parameters(name):
   factory, linen_layer = LAYERS[name]
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
-  variables = linen_layer.init(jax.random.key(3), x)
+  variables = jax.jit(linen_layer.init)(jax.random.key(3), x)
   layer = snx.from_linen(linen_layer, variables)
   assert type(layer) is factory.func and layer.features == WIDTH
-  np.testing.assert_array_equal(layer(x, reset), linen_layer.apply(variables, x, reset))
-  np.testing.assert_array_equal(layer(x), linen_layer.apply(variables, x))
+  np.testing.assert_array_equal(_call(layer, x, reset), _apply(linen_layer)(variables, x, reset))
+  np.testing.assert_array_equal(_call(layer, x, None), _apply(linen_layer)(variables, x, None))
   if name in CAUSAL:
     state = layer.initialize_state((2, WIDTH))
-    _assert_trees_close(layer.step(state, x[:, 0], reset[:, 0]),
-                        linen_layer.apply(variables, state, x[:, 0], reset[:, 0], method="step"))
+    _assert_trees_close(_step(layer, state, x[:, 0], reset[:, 0]),
+                        _apply(linen_layer, "step")(variables, state, x[:, 0], reset[:, 0]))
   # And back: an NNX layer of its own parameters gives the linen layer that computes the same.
-  fresh = factory(WIDTH, rngs=nnx.Rngs(1))
+  fresh = nnx.jit(lambda: factory(WIDTH, rngs=nnx.Rngs(1)))()
   module, fresh_variables = snx.to_linen(fresh)
   assert module == linen_layer
   assert jax.tree.structure(fresh_variables) == jax.tree.structure(variables)
-  np.testing.assert_array_equal(module.apply(fresh_variables, x, reset), fresh(x, reset))
+  np.testing.assert_array_equal(_apply(module)(fresh_variables, x, reset), _call(fresh, x, reset))
 
 
 def test_round_trip_keeps_every_parameter_bit_for_bit(layer):
@@ -319,7 +327,7 @@ def _model(num_outputs=3, **options):
 
 def _models(**options):
   """A small NNX model, and the linen model and variables converted from it."""
-  model = _model(**options)
+  model = nnx.jit(lambda: _model(**options))()
   return model, *snx.to_linen(model)
 
 
@@ -357,21 +365,21 @@ def test_model_equals_linen_in_training_and_evaluation(name):
   x = jax.random.randint(jax.random.key(2), (3, 11), 0, 7) if tokens else _x((3, 11, 2))
   mask = jnp.arange(11)[None, :] < jnp.asarray([[4], [11], [8]])
   reset = _resets((3, 11))
-  y, updated = _linen_train(module, variables, x, mask, reset)
-  _assert_close(model(x, mask, reset), y)
+  y, updated = jax.jit(functools.partial(_linen_train, module))(variables, x, mask, reset)
+  _assert_close(_run(model, x, mask, reset), y)
   _assert_trees_close(snx.to_linen(model)[1], updated)
   model.eval()
-  _assert_close(model(x, mask, reset), module.apply(updated, x, mask, reset))
+  _assert_close(_run(model, x, mask, reset), _apply(module)(updated, x, mask, reset))
   if options["pooling"] == "none":
     start = model.initialize_state(x[:, 0].shape)
     _assert_trees_close(start, module.initialize_state(x[:, 0].shape))
-    _, state = model(x, reset=reset, return_state=True)
-    _assert_trees_close(model.step(state, x[:, 0], reset[:, 0]),
-                        module.apply(updated, state, x[:, 0], reset[:, 0], method="step"))
+    _, state = nnx.jit(lambda m: m(x, reset=reset, return_state=True))(model)
+    _assert_trees_close(_step(model, state, x[:, 0], reset[:, 0]),
+                        _apply(module, "step")(updated, state, x[:, 0], reset[:, 0]))
   # Back again from linen, to the same NNX model.
   back = snx.from_linen(module, updated)
   back.eval()
-  np.testing.assert_array_equal(back(x, mask, reset), model(x, mask, reset))
+  np.testing.assert_array_equal(_run(back, x, mask, reset), _run(model, x, mask, reset))
 
 
 def test_model_defaults_are_the_linen_models():
