@@ -111,7 +111,7 @@ def _bench_layer(name: str, shape: Shape, suite: Suite, repeats: int, key: Array
   dims = (shape.batch, shape.length, shape.features)
   x, w = jax.random.normal(k_x, dims), jax.random.normal(k_w, dims)
   layer = LAYERS[name]()
-  params = layer.init(k_p, x)
+  params = jax.jit(layer.init)(k_p, x)
   compiled = {}
   for mode in suite.only_modes or modes(name):
     forward, gradient = _functions(layer, mode, w)
@@ -198,7 +198,7 @@ def _bench_depth(depth: int, shape: Shape, repeats: int, key: Array) -> list[Dep
     for scan_blocks in (False, True):
       model = layers.SequenceModel(num_outputs=10, features=shape.features, num_blocks=depth,
                                    scan_blocks=scan_blocks, **options)
-      params = model.init(key, x)
+      params = jax.jit(model.init)(key, x)
 
       def loss(params, x, model=model):
         logits = model.apply(params, x)
