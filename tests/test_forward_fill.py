@@ -10,6 +10,10 @@ from hypothesis import strategies as st
 from ssmkit.scan import expand_runs, forward_fill
 
 MODES = ["sequential", "parallel", "chunked"]
+# Compiled once per shape and options for the drawn examples: called eagerly, every primitive
+# inside would compile a program of its own for each shape.
+_forward_fill = jax.jit(forward_fill, static_argnames=("reverse", "axis", "mode"))
+_expand_runs = jax.jit(expand_runs, static_argnames=("length", "axis", "mode"))
 
 
 def _fill_loop(x, mask, reverse, fill):
@@ -45,7 +49,7 @@ def test_masked_fill_matches_loop_on_each_column(length, reverse, mode, fill, se
   x = rng.normal(size=(length, 3))
   x[rng.uniform(size=x.shape) < 0.2] = np.nan  # NaNs in non-sources never spread
   mask = (rng.uniform(size=x.shape) < 0.3) & ~np.isnan(x)
-  out = forward_fill(x, mask, reverse=reverse, mode=mode, fill_value=fill)
+  out = _forward_fill(x, mask, reverse=reverse, mode=mode, fill_value=fill)
   for j in range(3):
     np.testing.assert_array_equal(out[:, j], _fill_loop(x[:, j], mask[:, j], reverse, fill))
 
@@ -57,12 +61,12 @@ def test_mask_lines_up_with_the_leading_axes_even_when_square(mode):
   rng = np.random.default_rng(3)
   x = rng.normal(size=(5, 5))
   steps = rng.uniform(size=5) < 0.5
-  out = forward_fill(x, steps, mode=mode)
+  out = _forward_fill(x, steps, mode=mode)
   for j in range(5):
     np.testing.assert_array_equal(out[:, j], _fill_loop(x[:, j], steps, False, 0.0))
   # Batch-major, time on axis 1: a `(B, T)` mask of a `(B, T, D)` input.
   sources = rng.uniform(size=(2, 5)) < 0.5
-  out = forward_fill(np.stack([x, x]), sources, axis=1, mode=mode)
+  out = _forward_fill(np.stack([x, x]), sources, axis=1, mode=mode)
   for i, j in np.ndindex(2, 5):
     np.testing.assert_array_equal(out[i, :, j], _fill_loop(x[:, j], sources[i], False, 0.0))
 
@@ -93,7 +97,7 @@ def test_expand_runs_inverts_stream_compaction(counts, extra, mode):
   length = max(0, int(counts.sum()) + extra)
   expected = np.repeat(values, counts)[:length]
   expected = np.concatenate([expected, np.full(length - len(expected), -9.0)])
-  out = expand_runs(values, counts, length, mode=mode, fill_value=-9.0)
+  out = _expand_runs(values, counts, length, mode=mode, fill_value=-9.0)
   np.testing.assert_array_equal(out, expected)
 
 
