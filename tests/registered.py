@@ -42,6 +42,15 @@ def nnx_cases(variants: bool = True) -> dict[str, tuple[Callable[..., snx.Layer]
   return cases
 
 
+# One layer of each kind of state, for the model tests whose layer-dependent part (a layer's
+# state, its resets and its steps) the layer contract checks for every layer: a complex
+# diagonal state, a selective scan behind a convolution window, a matrix state, a
+# diagonal-plus-low-rank state behind a token shift, a gated diagonal state that knows the
+# sequence's first step, and a key-value cache. Fewer than half the layers, so not a contract
+# (`test_registry.py`).
+ONE_OF_EACH_STATE = ("lru", "mamba", "mamba2", "rwkv7", "rglru", "attention")
+
+
 def drawn_where_zero(params):
   """`params` (a pytree of arrays) with every parameter that is all zeros drawn from N(0, 1)
   instead: a layer that starts a projection at zero (RWKV-7's output projection and low-rank
