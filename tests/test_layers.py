@@ -298,6 +298,8 @@ class _StepCell(nn.Module):
     return self.layer.step(state, x_t)
 
 
+# One layer of each kind of state: flax runs every layer the same way here.
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_inside_nn_scan(layer):
   scanned = nn.scan(_StepCell, variable_broadcast="params", split_rngs={"params": False},
                     in_axes=1, out_axes=1)(layer=layer)
@@ -307,6 +309,8 @@ def test_inside_nn_scan(layer):
   _assert_close(y, compiled.run(layer)({"params": variables["params"]["layer"]}, X, None))
 
 
+# One layer of each kind of state: flax runs every layer the same way here.
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_from_nnx_through_the_bridge(layer):
   model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
   nnx.bridge.lazy_init(model, X)

@@ -83,6 +83,9 @@ def _apply(module, method=None):
   return jax.jit(functools.partial(module.apply, method=method))
 
 
+# One layer of each kind of state: the front end does this the same way for every layer, which
+# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_sequence_equals_stepping_under_nnx_scan(layer):
   """A recurrent policy's loop: the layer steps through time inside `nnx.scan`, from resets."""
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
@@ -108,6 +111,9 @@ def test_every_mode_is_the_linen_layers(layer):
     np.testing.assert_array_equal(y, want)
 
 
+# One layer of each kind of state: the front end does this the same way for every layer, which
+# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_reset_cuts_information_flow(layer):
   x = _x((2, 13, WIDTH))
   reset = jnp.zeros((2, 13), bool).at[:, 6].set(True)
@@ -123,6 +129,9 @@ def test_nnx_jit_equals_eager(layer):
   _assert_close(_call(layer, x, reset), layer(x, reset))  # the second eagerly
 
 
+# One layer of each kind of state: the front end does this the same way for every layer, which
+# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_gradients_through_nnx_grad_are_finite(layer):
   x = _x((2, 13, WIDTH))
   grads, dx = nnx.jit(nnx.grad(lambda module, x: jnp.sum(module(x) ** 2), argnums=(0, 1)))(layer, x)
@@ -144,6 +153,9 @@ def test_nnx_vmap_over_the_batch(name):
   assert nnx.eval_shape(lambda module: module(x[0]), layer).shape == (13, WIDTH)
 
 
+# One layer of each kind of state: the front end does this the same way for every layer, which
+# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_bfloat16_inputs_keep_their_dtype(layer):
   x = _x((2, 13, WIDTH))
   y = _call(layer, x.astype(jnp.bfloat16), None)
@@ -164,7 +176,8 @@ def test_options_and_defaults_are_the_linen_layers(name):
   assert list(parameters) == ["features", *fields, "rngs"]
   assert {n: parameters[n].default for n in fields} == fields
   assert front_end.parameter_groups == cls.parameter_groups
-  default = front_end(16, rngs=nnx.Rngs(0))  # the defaults serve widths that are multiples of 16
+  # The defaults serve widths that are multiples of 16; only the options are read: no parameters.
+  default = nnx.eval_shape(lambda: front_end(16, rngs=nnx.Rngs(0)))
   assert all(getattr(default, n) == value for n, value in fields.items())
 
 
