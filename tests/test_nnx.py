@@ -124,6 +124,9 @@ def test_reset_cuts_information_flow(layer):
   assert not np.allclose(_call(layer, x, None)[:, 6:], _call(layer, changed, None)[:, 6:])
 
 
+# One layer of each kind of state: eagerly the front end runs the linen maths that
+# test_layers runs eagerly for every layer.
+@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
 def test_nnx_jit_equals_eager(layer):
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
   _assert_close(_call(layer, x, reset), layer(x, reset))  # the second eagerly
