@@ -71,6 +71,10 @@ def layer(request):
   return LAYERS[request.param]()
 
 
+# `layer` for one layer of each kind of state, where flax runs every layer the same way.
+one_of_each = pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+
+
 # The contract runs every layer on inputs of one shape (the shape is not what it tests), each
 # computation compiled once and shared by the tests that run it.
 SHAPE = (2, 13, 4)
@@ -298,8 +302,7 @@ class _StepCell(nn.Module):
     return self.layer.step(state, x_t)
 
 
-# One layer of each kind of state: flax runs every layer the same way here.
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_inside_nn_scan(layer):
   scanned = nn.scan(_StepCell, variable_broadcast="params", split_rngs={"params": False},
                     in_axes=1, out_axes=1)(layer=layer)
@@ -309,8 +312,7 @@ def test_inside_nn_scan(layer):
   _assert_close(y, compiled.run(layer)({"params": variables["params"]["layer"]}, X, None))
 
 
-# One layer of each kind of state: flax runs every layer the same way here.
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_from_nnx_through_the_bridge(layer):
   model = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
   nnx.bridge.lazy_init(model, X)

@@ -67,6 +67,12 @@ def layer(request):
   return module
 
 
+# `layer` for one layer of each kind of state, where the front end does the same for every layer:
+# it computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`), and
+# eagerly it runs the linen maths that test_layers runs eagerly for every layer.
+one_of_each = pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+
+
 # The layer contract, on the NNX modules (one shape throughout, so compiled code is shared).
 
 
@@ -83,9 +89,7 @@ def _apply(module, method=None):
   return jax.jit(functools.partial(module.apply, method=method))
 
 
-# One layer of each kind of state: the front end does this the same way for every layer, which
-# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_sequence_equals_stepping_under_nnx_scan(layer):
   """A recurrent policy's loop: the layer steps through time inside `nnx.scan`, from resets."""
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
@@ -111,9 +115,7 @@ def test_every_mode_is_the_linen_layers(layer):
     np.testing.assert_array_equal(y, want)
 
 
-# One layer of each kind of state: the front end does this the same way for every layer, which
-# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_reset_cuts_information_flow(layer):
   x = _x((2, 13, WIDTH))
   reset = jnp.zeros((2, 13), bool).at[:, 6].set(True)
@@ -124,17 +126,13 @@ def test_reset_cuts_information_flow(layer):
   assert not np.allclose(_call(layer, x, None)[:, 6:], _call(layer, changed, None)[:, 6:])
 
 
-# One layer of each kind of state: eagerly the front end runs the linen maths that
-# test_layers runs eagerly for every layer.
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_nnx_jit_equals_eager(layer):
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
   _assert_close(_call(layer, x, reset), layer(x, reset))  # the second eagerly
 
 
-# One layer of each kind of state: the front end does this the same way for every layer, which
-# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_gradients_through_nnx_grad_are_finite(layer):
   x = _x((2, 13, WIDTH))
   grads, dx = nnx.jit(nnx.grad(lambda module, x: jnp.sum(module(x) ** 2), argnums=(0, 1)))(layer, x)
@@ -156,9 +154,7 @@ def test_nnx_vmap_over_the_batch(name):
   assert nnx.eval_shape(lambda module: module(x[0]), layer).shape == (13, WIDTH)
 
 
-# One layer of each kind of state: the front end does this the same way for every layer, which
-# computes as the linen layer in every mode (`test_every_mode_is_the_linen_layers`).
-@pytest.mark.parametrize("layer", registered.ONE_OF_EACH_STATE, indirect=True)
+@one_of_each
 def test_bfloat16_inputs_keep_their_dtype(layer):
   x = _x((2, 13, WIDTH))
   y = _call(layer, x.astype(jnp.bfloat16), None)

@@ -193,8 +193,8 @@ ROW = sum(LENGTHS) + len(LENGTHS)
 
 @pytest.mark.parametrize("name", registered.ONE_OF_EACH_STATE)
 def test_a_packed_row_gives_each_document_what_it_gets_alone(name):
-  """A model of each kind of state: per-step logits (so losses) on one packed row equal each document's
-  own, run alone from the zero state; the reset at each end token keeps them apart."""
+  """A model of each kind of state: per-step logits (so losses) on one packed row equal each
+  document's own, run alone from the zero state; the reset at each end token keeps them apart."""
   model = layers.SequenceModel(num_outputs=257, layer=registered.linen_cases(variants=False)[name],
                                features=8, num_blocks=2, vocab_size=257, pooling="none")
   rng = np.random.default_rng(1)
