@@ -56,19 +56,3 @@ def host_devices():
     yield
 
 
-
-# The files that take longest, longest first (summed `--durations` of a whole run). Each file
-# runs on one worker (`--dist loadfile`), in collection order (`--no-loadscope-reorder`): the
-# long ones start first and the short ones fill in at the end, so the workers finish together
-# rather than one waiting out the other's last long file.
-SLOWEST_FIRST = (
-    "test_matrix_state.py", "test_layers.py", "test_nnx.py", "test_hybrid.py", "test_models.py",
-    "test_layer_sequence_parallel.py", "test_data_parallel.py", "test_bench_smoke.py",
-    "test_train.py", "test_linear_recurrence.py", "test_sequence_parallel.py", "test_mamba3.py",
-    "test_rl.py", "test_off_policy.py", "test_modern_layers.py", "test_ppo.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
