@@ -124,7 +124,7 @@ class KimiDeltaAttention(functional.LinenLayer):
       with -5); A_log then starts at 0.
     norm_eps: the epsilon of the output's per-head RMSNorm.
     d_conv: width of the causal convolutions.
-    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    chunk_size: steps per chunk of the chunkwise algorithm; default 32.
     param_dtype: dtype of the parameters.
 
   References:

@@ -225,7 +225,7 @@ class RWKV7(functional.LinenLayer):
     layer_index, num_layers: the layer's place in its model, which sets its starting
       parameters as the reference's (they change nothing else).
     norm_eps: the GroupNorm's epsilon per key channel.
-    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    chunk_size: steps per chunk of the chunkwise algorithm; default 32.
     param_dtype: dtype of the parameters.
 
   References:

@@ -143,7 +143,7 @@ def delta_rule(
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
       `(K, K)` products) or "auto"; see `linear_attention`.
-    chunk_size: steps per chunk; default 64, at most T.
+    chunk_size: steps per chunk; default 64 (32 with one decay per key channel), at most T.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
       as S -> M S + U with M the `(K, K)` product of its transitions.
@@ -177,6 +177,9 @@ def delta_rule(
   mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
+  per_key = x.log_decay is not None and x.log_decay.ndim == 4
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
-                         return_final_state=return_final_state)
+                         return_final_state=return_final_state,
+                         default_chunk_size=common.SOLVED_CHUNK_SIZE if per_key
+                         else common.DEFAULT_CHUNK_SIZE)

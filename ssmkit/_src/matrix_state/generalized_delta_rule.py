@@ -128,7 +128,7 @@ def generalized_delta_rule(
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
       `(K, K)` products) or "auto"; see `linear_attention`.
-    chunk_size: steps per chunk; default 64, at most T.
+    chunk_size: steps per chunk; default 32, at most T.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
       as S -> M S + U with M the `(K, K)` product of its transitions.
@@ -165,4 +165,5 @@ def generalized_delta_rule(
     raise ValueError("`a` and `b` must be arrays `(..., T, H, K)`, got None.")
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
-                         return_final_state=return_final_state)
+                         return_final_state=return_final_state,
+                         default_chunk_size=common.SOLVED_CHUNK_SIZE)
