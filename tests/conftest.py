@@ -54,5 +54,3 @@ def host_devices():
   """The module's tests run on 8 devices: the default backend's, or else the CPU's host devices."""
   with multi_device.on_host_devices():
     yield
-
-

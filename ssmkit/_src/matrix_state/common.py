@@ -20,9 +20,9 @@ Array = jax.Array
 DEFAULT_CHUNK_SIZE = 64
 # The delta rule with one decay per key channel (KDA) and the generalized delta rule (RWKV-7)
 # solve a system with V + K right-hand sides per chunk besides their C x C scores: at 32 steps
-# their gradients took 2-9% less time and 25-35% less memory than at 64 (`ssmkit bench
-# linear-attention` at B=2 T=1024 and 4096 H=4 K=V=64, CPU), and the scores stay one product
-# for per-key decays down to 60 / 32 nats a step on average (float32) instead of 60 / 64.
+# their gradients held a quarter to a half less memory than at 64 and took 2-8% less time
+# timed side by side (B=2 T=1024 and 4096 H=4 K=V=64, CPU; docs/benchmarks.md), and KDA's
+# scores stay one product for decays down to 60 / 32 nats a step on average (float32), not 60 / 64.
 SOLVED_CHUNK_SIZE = 32
 
 # sequential(inputs, steps per rematerialised group or None, precision) -> (outputs, final)
