@@ -56,6 +56,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     options = {"configs": args.configs}
   if args.benchmark == "linear-attention":
     options = {"functions": args.functions}
+    if args.log_decays is not None:
+      options["log_decays"] = tuple(args.log_decays)
   return module.run(shapes=args.shapes, repeats=args.repeats, markdown=args.markdown, **options)
 
 
@@ -108,6 +110,11 @@ def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
           "--functions", nargs="+", choices=FUNCTIONS, metavar="FUNCTION",
           help=f"only these ({', '.join(FUNCTIONS)}); the criteria are judged when all run; "
           "default: every one",
+      )
+      parser.add_argument(
+          "--log-decays", nargs=2, type=_positive_float, default=None, metavar=("LO", "HI"),
+          help="draw the log-decays from [-HI, -LO] (mamba3's step sizes from [LO, HI]); the "
+               "criteria are judged at the default, 0.01 0.3",
       )
     if name == "training":
       parser.add_argument(

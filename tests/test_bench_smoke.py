@@ -172,9 +172,10 @@ def test_slow_cells_take_fewer_samples():
 
 def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys):
   status = cli.main(["bench", "linear-attention", "--shapes", "small", "--repeats", "2",
-                     "--functions", "linear_attention", "delta_product"])
+                     "--functions", "linear_attention", "delta_product", "--log-decays", "2", "5"])
   out = capsys.readouterr().out
   assert status == 0
+  assert "Log-decays in [-5, -2]." in out
   for name in ("lax.scan", "quadratic", "chunked autodiff", "ssmkit auto", "ssmkit sequential",
                "ssmkit chunked", "ssmkit parallel"):
     assert f" {name} " in out
@@ -182,6 +183,16 @@ def test_bench_linear_attention_small_checks_every_mode_against_lax_scan(capsys)
     assert re.search(rf"^{function} +B=2 T=70 H=1 K=V=4 ", out, re.MULTILINE)
   assert not re.search(r"^delta_rule ", out, re.MULTILINE)
   assert "PASS" not in out and "FAIL" not in out and "judged on the full suite only" in out
+
+
+def test_bench_linear_attention_draws_the_log_decays_asked_for(capsys):
+  for function in ("linear_attention", "kda", "mamba3"):
+    args, _ = la_bench.inputs(function, la_bench.Shape(2, 9, 2, 3), jax.random.key(0), (2.0, 5.0))
+    # Mamba-3 draws its step sizes dt from the range; its log-decays are -a dt.
+    drawn = np.asarray(args[4]) if function == "mamba3" else -np.asarray(args[3])
+    assert np.all((drawn >= 2.0) & (drawn <= 5.0)), function
+  assert cli.main(["bench", "linear-attention", "--shapes", "small", "--log-decays", "5", "2"]) == 2
+  assert "needs LO <= HI, got 5 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("function", la_bench.FUNCTIONS)

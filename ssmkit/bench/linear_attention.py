@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -219,6 +220,7 @@ _FUNCTIONS: dict[str, tuple[Method, Callable[[str], Method]]] = {
 FUNCTIONS = tuple(_FUNCTIONS)
 NEWER = ("kda", "generalized_delta_rule", "delta_product", "mamba3")  # not at the longest shape
 _PRODUCTS = 2  # delta_product's steps per token
+LOG_DECAYS = (0.01, 0.3)  # the inputs' log-decays are drawn from [-0.3, -0.01]
 
 
 def _methods(function: str, shape: Shape) -> dict[str, Method]:
@@ -232,8 +234,10 @@ def _methods(function: str, shape: Shape) -> dict[str, Method]:
   return methods
 
 
-def inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], Array]:
-  """The function's inputs and the output weights w."""
+def inputs(function: str, shape: Shape, key: Array,
+           log_decays: tuple[float, float] = LOG_DECAYS) -> tuple[tuple[Array, ...], Array]:
+  """The function's inputs and the output weights w; log-decays drawn from
+  [-log_decays[1], -log_decays[0]] (for mamba3, step sizes from `log_decays`)."""
   keys = jax.random.split(key, 7)
   dims = (shape.batch, shape.length, shape.heads, shape.dim)
   steps = (*dims[:2], _PRODUCTS, *dims[2:]) if function == "delta_product" else dims
@@ -242,7 +246,8 @@ def inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], 
   k = unit(jax.random.normal(keys[1], steps))
   v = jax.random.normal(keys[2], steps)
   per_key = function in ("kda", "generalized_delta_rule")
-  g = -jax.random.uniform(keys[3], dims if per_key else dims[:3], minval=0.01, maxval=0.3)
+  g = -jax.random.uniform(keys[3], dims if per_key else dims[:3], minval=log_decays[0],
+                          maxval=log_decays[1])
   beta = jax.random.uniform(keys[4], steps[:-1])
   w = jax.random.normal(keys[5], dims)
   if function == "linear_attention":
@@ -251,7 +256,7 @@ def inputs(function: str, shape: Shape, key: Array) -> tuple[tuple[Array, ...], 
     alpha = jax.random.uniform(keys[6], dims)
     return (q, k, v, g, -k, k * alpha), w
   if function == "mamba3":
-    dt = -g  # in [0.01, 0.3]
+    dt = -g  # in log_decays
     lam = jax.random.uniform(keys[6], dt.shape)
     a = jax.random.uniform(keys[4], dt.shape, minval=0.5, maxval=2.0)
     angles = max(1, shape.dim // 4)
@@ -271,8 +276,9 @@ class Result:
   gradient_compile_s: float
 
 
-def _bench(function: str, shape: Shape, repeats: int, key: Array) -> list[Result]:
-  args, w = inputs(function, shape, key)
+def _bench(function: str, shape: Shape, repeats: int, key: Array,
+           log_decays: tuple[float, float]) -> list[Result]:
+  args, w = inputs(function, shape, key, log_decays)
   count = len(args)
   compiled, reference = {}, None
   for name, method in _methods(function, shape).items():
@@ -375,8 +381,8 @@ def criteria(results: list[Result], suite: Suite) -> list[tuple[bool, str]]:
   return found
 
 
-def run(*, shapes: str, repeats: int, markdown: bool,
-        functions: Sequence[str] | None = None) -> int:
+def run(*, shapes: str, repeats: int, markdown: bool, functions: Sequence[str] | None = None,
+        log_decays: tuple[float, float] = LOG_DECAYS) -> int:
   """Runs the suite named `shapes`, printing each shape's rows as they are measured.
 
   Args:
@@ -384,17 +390,25 @@ def run(*, shapes: str, repeats: int, markdown: bool,
     repeats: timed samples per cell, the methods taking turns; the median is shown.
     markdown: print a GitHub markdown table.
     functions: only these of `FUNCTIONS`; default every one.
+    log_decays: (lo, hi): the log-decays are drawn from [-hi, -lo] (mamba3's step sizes from
+      [lo, hi]); the criteria are judged at the default only.
 
   Returns:
-    0, the exit status; a failed criterion is reported, not raised.
+    0, the exit status; a failed criterion is reported, not raised; 2 for `log_decays`
+    with lo > hi.
   """
+  if log_decays[0] > log_decays[1]:
+    print(f"ssmkit bench linear-attention: error: --log-decays LO HI needs LO <= HI, got "
+          f"{log_decays[0]:g} {log_decays[1]:g}.", file=sys.stderr)
+    return 2
   suite = SUITES[shapes]
   device = jax.devices()[0]
   print(
       f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
       f"{repeats} samples per time (fewer where they would take over "
       f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x lax.scan: {SCAN}'s time (or "
-      "temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function."
+      "temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function. "
+      f"Log-decays in [{-log_decays[1]:g}, {-log_decays[0]:g}]."
   )
   print()
   functions = FUNCTIONS if functions is None else tuple(functions)
@@ -406,7 +420,7 @@ def run(*, shapes: str, repeats: int, markdown: bool,
   )
   results = []
   for i, case in enumerate(_timing.within_budget(cases, "linear-attention")):
-    rows = _bench(case.function, case.shape, repeats, jax.random.key(i))
+    rows = _bench(case.function, case.shape, repeats, jax.random.key(i), log_decays)
     table.add(_rows(rows))
     results.extend(rows)
   print()
@@ -416,6 +430,9 @@ def run(*, shapes: str, repeats: int, markdown: bool,
   measured = {(r.function, r.shape) for r in results}
   needed = {(f, suite.judged) for f in FUNCTIONS} | {
       ("linear_attention", suite.compile_shape)}
+  if tuple(log_decays) != LOG_DECAYS:
+    print(f"Criteria: not judged, the log-decays are not the judged ones {LOG_DECAYS}.")
+    return 0
   if not needed <= measured:
     print("Criteria: not judged, the run left out cases they need (by --functions or the "
           "budget).")
