@@ -15,6 +15,7 @@ import pytest
 from jax.test_util import check_grads
 
 import references
+from ssmkit._src.matrix_state import chunks
 from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention
 
 # (name, function, decay kind): every decay each function takes.
@@ -328,6 +329,21 @@ def test_per_key_decays_take_each_path_of_the_chunk_scores(kind):
     out, final = _jitted(kind, "chunked", 64)(x)
     _assert_close(out, expected, TOL64)
     _assert_close(final, expected_final, TOL64)
+
+
+@pytest.mark.parametrize("kind", PER_KEY, ids=[kind[0] for kind in PER_KEY])
+def test_the_pairwise_form_over_groups_of_chunks_equals_the_loop(kind, monkeypatch):
+  """Nine chunks of 8 steps at once ("parallel"), scored step pair by step pair in three groups
+  of three: the loop a long sequence on a large batch takes to bound its memory."""
+  x = _inputs(np.random.default_rng(23), kind, (), 70, decay=(61.0, 64.0))
+  heads, dim_k = x["q"].shape[-2:]
+  monkeypatch.setattr(chunks, "_PAIRWISE_NUMBERS", 3 * heads * 8 * 8 * dim_k)
+  assert chunks._pairwise_group((1, heads, 9, 8, dim_k)) == 3
+  out, final = jax.jit(functools.partial(_call, kind, mode="parallel", chunk_size=8,
+                                         return_final_state=True))(x)
+  expected, expected_final = _reference(x)
+  _assert_close(out, expected, TOL64)
+  _assert_close(final, expected_final, TOL64)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
