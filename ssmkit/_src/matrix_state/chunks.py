@@ -205,8 +205,8 @@ def _block_size(size: int) -> int:
   """The largest divisor of a chunk of `size` steps that is at most 8.
 
   Smaller blocks factor over stronger decays (the middle form of `per_key_scores`) and make
-  the pairwise form cheaper, but score more blocks: 8 against 16 took 5% more time in the
-  middle form and 25% less in the pairwise one (KDA's gradient at B=2 T=4096 H=4 K=V=64).
+  the pairwise form cheaper, but score more blocks: 8 against 16 took 4% more time in the
+  middle form and 15% less in the pairwise one (KDA's gradient at B=2 T=4096 H=4 K=V=64).
   """
   return max(d for d in range(1, min(size, 8) + 1) if size % d == 0)
 
