@@ -173,13 +173,13 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
     `strict`).
   """
   limit = _FACTOR_LIMIT[jnp.finfo(bx.dtype).bits]
-  lower = _leading(jnp.tril(jnp.ones(bx.shape[3:4] * 2, bool), -1 if strict else 0), 5)
+  lower = _leading(jnp.tril(jnp.ones(bx.shape[3:4] * 2, bool), -1 if strict else 0), 3)
 
   def whole(_):  # the chunk decays by less than the limit: one product
-    x = jnp.stack(xs) * jnp.exp(bx)[None]
-    y = jnp.stack(ys) * jnp.exp(-by)[None]
-    scores = jnp.einsum("azhntd,bzhnsd->abzhnts", x, y, precision=precision)
-    return jnp.where(lower, scores, 0)
+    ys_hat = [y * jnp.exp(-by) for y in ys]
+    return tuple(tuple(jnp.where(lower, jnp.einsum("zhntd,zhnsd->zhnts", x * jnp.exp(bx), y,
+                                                   precision=precision), 0)
+                       for y in ys_hat) for x in xs)
 
   def pairwise(_):  # groups of chunks at a time: the rare path keeps the common ones' memory
     n, group = bx.shape[2], _pairwise_group(bx.shape)
@@ -190,15 +190,16 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
     grouped = lambda a: jnp.moveaxis(a.reshape((*a.shape[:2], n // group, group, *a.shape[3:])), 2, 0)
     out = lax.map(jax.checkpoint(scores),
                   (tuple(map(grouped, xs)), tuple(map(grouped, ys)), grouped(bx), grouped(by)))
-    out = jnp.moveaxis(out, 0, 4)  # (A, B, Z, H, n / group, group, C, C)
-    return out.reshape((*out.shape[:4], n, *out.shape[-2:]))
+    # (Z, H, n / group, group, C, C) -> (Z, H, n, C, C)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2).reshape((*a.shape[1:3], n, *a.shape[-2:])),
+                        out)
 
   blocks = lambda _: _blocked_scores(xs, ys, bx, by, precision, strict, True)
   leave, enter = _block_edges(by)
   path = jnp.where(jnp.all(by[..., -1, :] > -limit), 0,
                    jnp.where(jnp.all(enter - leave < limit), 1, 2))
   scores = lax.switch(path, [jax.checkpoint(f) for f in (whole, blocks, pairwise)], None)
-  return [[scores[a, b] for b in range(len(ys))] for a in range(len(xs))]
+  return [list(row) for row in scores]
 
 
 def _block_size(size: int) -> int:
@@ -237,7 +238,7 @@ def _block_edges(by: Array) -> tuple[Array, Array]:
 
 
 def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
-  """`per_key_scores` stacked `(A, B, Z, H, n, C, C)`, through blocks of at most 8 steps;
+  """`per_key_scores` as nested tuples `[a][b]` of `(Z, H, n, C, C)`, through blocks of at most 8 steps;
   inside a block as one product if `factored` (the block decays by less than the limit),
   else step pair by step pair."""
   size = bx.shape[3]
@@ -269,7 +270,7 @@ def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
     diagonal = jnp.einsum("zhnits,ij->zhnitjs", within, eye).reshape(between.shape)
     return (between + diagonal).reshape((*x.shape[:3], size, size))
 
-  return jnp.stack([jnp.stack([scores(x, y) for y in ys]) for x in xs])
+  return tuple(tuple(scores(x, y) for y in ys) for x in xs)
 
 
 def masked(x: Array, mask: Array | None) -> Array:
