@@ -121,8 +121,13 @@ def segments(reset: Array | None, size: int) -> Segments:
 
 
 def cumulative(g: Array) -> Array:
-  """b_t = g_0 + ... + g_t along the chunk axis 3 of `(Z, H, n, C, ...)`."""
-  return jnp.cumsum(g, axis=3)
+  """b_t = g_0 + ... + g_t along the chunk axis 3 of `(Z, H, n, C, ...)`.
+
+  One product with a lower-triangular matrix of ones, in full precision: XLA's CPU cumulative
+  sum (a windowed reduction) took a twentieth of KDA's gradient at B=2 T=4096 H=4 K=V=64.
+  """
+  ones = jnp.tril(jnp.ones((g.shape[3],) * 2, g.dtype))
+  return jnp.einsum("ts,zhns...->zhnt...", ones, g, precision=lax.Precision.HIGHEST)
 
 
 def pairwise_decay(b: Array, causal: Array) -> Array:
