@@ -310,8 +310,7 @@ def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
     _assert_close(out, expected, tol)
     _assert_close(final, expected_final, tol)
   # Step by step each decay is one factor exp(g) >= exp(-50), in range: the chunked forms are
-  # the ones whose exponents must stay differences.
-  # "auto" differentiates the chunked form, whose exponents "chunked" checks here.
+  # the ones whose exponents must stay differences ("auto" differentiates the chunked one).
   _check_gradients_and_jvp(kind, x, 1e-6 if dtype == np.float64 else 1e-3,
                            modes=(("chunked", 8), ("parallel", 8)))
 

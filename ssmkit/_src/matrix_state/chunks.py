@@ -181,10 +181,10 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
   lower = _leading(jnp.tril(jnp.ones(bx.shape[3:4] * 2, bool), -1 if strict else 0), 3)
 
   def whole(_):  # the chunk decays by less than the limit: one product
+    xs_hat = [x * jnp.exp(bx) for x in xs]
     ys_hat = [y * jnp.exp(-by) for y in ys]
-    return tuple(tuple(jnp.where(lower, jnp.einsum("zhntd,zhnsd->zhnts", x * jnp.exp(bx), y,
-                                                   precision=precision), 0)
-                       for y in ys_hat) for x in xs)
+    product = lambda x, y: jnp.einsum("zhntd,zhnsd->zhnts", x, y, precision=precision)
+    return tuple(tuple(jnp.where(lower, product(x, y), 0) for y in ys_hat) for x in xs_hat)
 
   def pairwise(_):  # groups of chunks at a time: the rare path keeps the common ones' memory
     n, group = bx.shape[2], _pairwise_group(bx.shape)
@@ -243,9 +243,9 @@ def _block_edges(by: Array) -> tuple[Array, Array]:
 
 
 def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
-  """`per_key_scores` as nested tuples `[a][b]` of `(Z, H, n, C, C)`, through blocks of at most 8 steps;
-  inside a block as one product if `factored` (the block decays by less than the limit),
-  else step pair by step pair."""
+  """`per_key_scores` as nested tuples `[a][b]` of `(Z, H, n, C, C)`, through blocks of at
+  most 8 steps; inside a block as one product if `factored` (the block decays by less than
+  the limit), else step pair by step pair."""
   size = bx.shape[3]
   sub = _block_size(size)
   m = size // sub
