@@ -196,6 +196,23 @@ def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
     assert np.all(np.isfinite(np.asarray(out)[14:]))
 
 
+def test_delta_product_with_one_decay_per_key_reads_only_its_tokens_last_steps():
+  """The chunked forms score only the steps that are read: each token's last; with one decay
+  per key channel too (every query is scored there, the read rows kept), across resets and a
+  NaN before one."""
+  kind = ("kda-product", "product", "key")
+  x = _inputs(np.random.default_rng(9), kind, (2,), 37)
+  x["reset"][1, 20] = True
+  x["k"][1, 18, 1, 0] = np.nan
+  expected, expected_final = _reference(x)
+  for mode in ("chunked", "parallel"):
+    out, final = _jitted(kind, mode, CHUNK)(x)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(expected))
+    finite = np.isfinite(expected)
+    _assert_close(np.asarray(out)[finite], expected[finite], TOL64)
+    _assert_close(final, expected_final, TOL64)
+
+
 @functools.cache
 def _tail_gradient(kind, mode, chunk_size, start):
   """The gradient of sum(sin(o_t), t >= start) + sum(S_T^2) with respect to every float input;

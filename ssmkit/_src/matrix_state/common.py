@@ -66,19 +66,23 @@ def read_out(
     bad_query: Array,
     reset: Array | None,
     precision,
+    read_every: int = 1,
 ) -> tuple[state_pass.Maps, Callable[[Array], Array]]:
   """The chunks' maps and outputs, from what each recurrence computes inside its chunks.
 
   Args:
     a: `(Z, H, n, ., .)` each chunk's transition of the state (row decays or matrices).
     u: `(Z, H, n, K, V)` the state each chunk leaves from a zero entering state.
-    query: `(Z, H, n, C, K)` what reads the entering state into each step's output.
-    intra: `(Z, H, n, C, V)` each step's output from its own chunk.
+    query: `(Z, H, n, R, K)` what reads the entering state into each read step's output.
+    intra: `(Z, H, n, R, V)` each read step's output from its own chunk.
     seg: the chunks' segments.
     bad: `(Z, H, n, C)` steps with a non-finite input to the state (`sanitize`), or None.
-    bad_query: `(Z, H, n, C)` steps with a non-finite query: their outputs alone are NaN.
+    bad_query: `(Z, H, n, R)` read steps with a non-finite query: their outputs alone are
+      NaN.
     reset: `(Z, 1, n, C)` or None.
     precision: matmul precision.
+    read_every: r; only steps r - 1, 2r - 1, ... of each chunk are read (R = C / r), the
+      other steps' outputs are zero.
 
   Returns:
     The chunks' maps, and a function from the `(Z, H, n, K, V)` states entering the
@@ -88,7 +92,9 @@ def read_out(
   if poisoned is not None:
     u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
   maps = state_pass.Maps(a, u, seg.cut)
-  nan_out = bad_query if poisoned is None else bad_query | poisoned
+  read = lambda mask: None if mask is None else mask[..., read_every - 1::read_every]
+  first = read(seg.first)
+  nan_out = bad_query if poisoned is None else bad_query | read(poisoned)
 
   def outputs(entering: Array) -> Array:
     # A non-finite entering state is zeroed before the product and the outputs that read it
@@ -97,11 +103,16 @@ def read_out(
     finite = jnp.isfinite(entering)
     carried = jnp.einsum("zhncd,zhnde->zhnce", query, jnp.where(finite, entering, 0),
                          precision=precision)
-    out = intra + chunks.masked(carried, seg.first)
+    out = intra + chunks.masked(carried, first)
     unread = ~jnp.all(finite, axis=-2)[..., None, :]  # (Z, H, n, 1, V) columns
-    if seg.first is not None:
-      unread = unread & seg.first[..., None]
-    return jnp.where(nan_out[..., None] | unread, jnp.nan, out)
+    if first is not None:
+      unread = unread & first[..., None]
+    out = jnp.where(nan_out[..., None] | unread, jnp.nan, out)
+    if read_every == 1:
+      return out
+    # (Z, H, n, R, r, V): the unread steps' zeros before each read step
+    spread = jnp.stack([jnp.zeros_like(out)] * (read_every - 1) + [out], axis=-2)
+    return spread.reshape((*out.shape[:3], -1, out.shape[-1]))
 
   return maps, outputs
 

