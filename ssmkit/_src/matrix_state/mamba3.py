@@ -94,8 +94,12 @@ def rotate(x: Array, angle: Array, layout: str) -> Array:
   """`x` `(..., N)` with channel pairs turned by `angle` `(..., S)`, 2 S <= N: pairs
   (2i, 2i + 1) ("interleaved") or (i, i + N / 2) ("halves") for i < S; the other channels
   are left as they are."""
-  n, s = x.shape[-1], angle.shape[-1]
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  return _turn(x, jnp.cos(angle), jnp.sin(angle), layout)
+
+
+def _turn(x: Array, cos: Array, sin: Array, layout: str) -> Array:
+  """`rotate` by the angles whose cosines and sines are given."""
+  n, s = x.shape[-1], cos.shape[-1]
   if layout == "interleaved":
     first, second = x[..., 0:2 * s:2], x[..., 1:2 * s:2]
     turned = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
@@ -106,13 +110,16 @@ def rotate(x: Array, angle: Array, layout: str) -> Array:
                           first * sin + second * cos, x[..., half + s:]], axis=-1)
 
 
-def _cumulative_angles(rate: Array, start: Array, reset: Array | None, axis: int,
-                       mode: str | Mode, axis_name: Hashable | None) -> tuple[Array, Array]:
-  """theta_t = theta_{t-1} + rate_t (from 0 after a reset), and the last theta in [0, 2 pi).
+def _cumulative_turns(rate: Array, start: Array, reset: Array | None, axis: int,
+                      mode: str | Mode, axis_name: Hashable | None) -> tuple[Array, Array, Array]:
+  """cos and sin of theta_t = theta_{t-1} + rate_t (from 0 after a reset), and the last
+  theta in [0, 2 pi).
 
   The angles run as unit complex numbers, exp(i theta_t) = exp(i rate_t) exp(i theta_{t-1}):
   a sum of the angles themselves would grow with t and lose their float32 precision (at
   theta ~ 1e4 its spacing is 1e-3), and the modes would turn by different roundings of it.
+  Their real and imaginary parts are the cosines and sines (no angle is taken back out but
+  the last: an arctangent and a cosine and sine per channel took a tenth of the gradient).
   """
   turn = jnp.exp(1j * rate)
   entry = jnp.zeros_like(turn)  # a reset restarts at exp(i rate_t)
@@ -120,7 +127,8 @@ def _cumulative_angles(rate: Array, start: Array, reset: Array | None, axis: int
     entry = jnp.where(reset[..., None, None], turn, entry)
   phase, last = linear_recurrence(turn, entry, jnp.exp(1j * start), reset=reset, axis=axis,
                                   mode=mode, return_final_state=True, axis_name=axis_name)
-  return jnp.angle(phase), jnp.mod(jnp.angle(last), 2 * jnp.pi)
+  phase = phase / jnp.abs(phase)  # products of unit numbers drift from 1 by rounding
+  return jnp.real(phase), jnp.imag(phase), jnp.mod(jnp.angle(last), 2 * jnp.pi)
 
 
 def _next_step(x: Array, axis: int, axis_name: Hashable | None) -> Array:
@@ -237,9 +245,11 @@ def mamba3(
   time = log_decay.ndim - 2
   if initial_state is not None:
     initial_state = _check_state(initial_state, q, v, log_decay, angle_rate, mimo)
-  if not mimo:  # one rank
-    q, k, v = (jnp.expand_dims(x, time + 1) for x in (q, k, v))
-  ranks, length = q.shape[time + 1], q.shape[time]
+  # MIMO's ranks are an axis after time; one rank has none: a unit axis made XLA's CPU
+  # reductions in the gradient (multiply and sum over N) 60 times slower.
+  rank_axis = (time + 1,) if mimo else ()
+  row, col = ("r", "s") if mimo else ("", "")  # einsum letters of the rank axes
+  ranks, length = (q.shape[time + 1] if mimo else 1), q.shape[time]
   out_dtype = jnp.result_type(q, k, v)
   dtype = accumulation_dtype(jnp.result_type(q, k, v, log_decay, step_size, trapezoid))
   heads = log_decay.shape
@@ -250,17 +260,16 @@ def mamba3(
     start = Mamba3State(zeros(*heads[:-2], heads[-1], q.shape[-1], v.shape[-1]),
                         zeros(*heads[:-2], heads[-1], s), zeros(*q.shape[:time], *q.shape[time + 1:]),
                         zeros(*v.shape[:time], *v.shape[time + 1:]))
-  elif not mimo:
-    start = start._replace(key=jnp.expand_dims(start.key, time),
-                           value=jnp.expand_dims(start.value, time))
-  by_rank = lambda x: jnp.expand_dims(x, time + 1)[..., None]  # (..., T, H) -> (..., T, 1, H, 1)
+  by_rank = lambda x: jnp.expand_dims(x, rank_axis)[..., None]  # (..., T, H) -> (..., T, [1,] H, 1)
+  unless = lambda flags, x: jnp.where(flags.reshape(flags.shape + (1,) * (x.ndim - flags.ndim)),
+                                      jnp.zeros_like(x), x)
 
   angle = start.angle
   if angle_rate is not None and length:
-    theta, angle = _cumulative_angles(angle_rate.astype(dtype), start.angle, reset, time, mode,
-                                      axis_name)
-    theta = jnp.expand_dims(theta, time + 1)
-    q, k = (rotate(x.astype(dtype), theta, rotary) for x in (q, k))
+    cos, sin, angle = _cumulative_turns(angle_rate.astype(dtype), start.angle, reset, time,
+                                        mode, axis_name)
+    cos, sin = (jnp.expand_dims(x, rank_axis) for x in (cos, sin))
+    q, k = (_turn(x.astype(dtype), cos, sin, rotary) for x in (q, k))
 
   now = (trapezoid * step_size).astype(dtype)
   previous = ((1 - trapezoid) * step_size).astype(dtype)
@@ -269,9 +278,9 @@ def mamba3(
   if reset is not None:  # no previous token to write, nothing earlier to read (by selection,
     # so that a NaN before the reset meets no product on its way back)
     previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
-    reading = jnp.where(reset[..., None, None, None], jnp.zeros_like(reading), reading)
+    reading = unless(reset, reading)
   later = _next_step(previous, time, axis_name)  # the share of each token the next one writes
-  prior = jnp.einsum("...rhn,...rhp->...hnp", start.key, start.value)
+  prior = jnp.einsum(f"...{row}hn,...{row}hp->...hnp", start.key, start.value)
   entry = start.state
   if length:
     first = lambda x: lax.index_in_dim(x, 0, time, keepdims=False)
@@ -282,29 +291,30 @@ def mamba3(
   # Token t + 1's query reads S_t, so that no token reads its own write and the next token's
   # share of it (which would then have to be taken back, cancelling in float32).
   ahead = _next_step(reading, time, axis_name)
+  steps = (lambda x: interleave(x, ranks, time)) if mimo else (lambda x: x)
+  first_step = (lambda x: at_step(x, ranks, 0, time)) if mimo else (lambda x: x)
   out = linear_attention(
-      interleave(ahead, ranks, time), interleave(by_rank(now + later) * k, ranks, time),
-      interleave(v, ranks, time), at_step(log_decay, ranks, 0, time), initial_state=entry,
-      reset=at_step(reset, ranks, 0, time), mode=mode,
-      chunk_size=chunk_size, return_final_state=return_final_state, axis_name=axis_name,
-      precision=precision, check_log_decay=False)
+      steps(ahead), steps(by_rank(now + later) * k), steps(v), first_step(log_decay),
+      initial_state=entry, reset=first_step(reset), mode=mode, chunk_size=chunk_size,
+      return_final_state=return_final_state, axis_name=axis_name, precision=precision,
+      check_log_decay=False)
   read, final = out if return_final_state else (out, None)
   read = read.reshape(v.shape)
-  pairs = lambda a, b, w: jnp.einsum("...rhn,...shn->...hrs", a, b, precision=precision,
-                                     preferred_element_type=dtype) * w
-  mix = lambda w, x: jnp.einsum("...hrs,...shp->...rhp", w, x.astype(dtype), precision=precision)
+  # (..., T, H[, R, R]): the products of a token's rows, weighted per token
+  pairs = lambda a, b, w: jnp.einsum(f"...{row}hn,...{col}hn->...h{row}{col}", a, b, precision=precision,
+                                     preferred_element_type=dtype) * w[(...,) + (None,) * (2 * mimo)]
+  mix = lambda w, x: jnp.einsum(f"...h{row}{col},...{col}hp->...{row}hp", w, x.astype(dtype),
+                                precision=precision)
   if ranks > 1:  # interleaved, the read of row r came before the writes of rows > r
-    upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1).reshape((1,) * (v.ndim - 2) + (ranks,) * 2)
-    read = read + mix(pairs(ahead, k, jnp.where(upper, (now + later)[..., None, None], 0)), v)
+    upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1)
+    read = read + mix(jnp.where(upper, pairs(ahead, k, now + later), 0), v)
   if length:
-    before = jnp.einsum("...rhn,...hnp->...rhp", first(reading), entry, precision=precision)
+    before = jnp.einsum(f"...{row}hn,...hnp->...{row}hp", first(reading), entry, precision=precision)
     read = _after_previous(read, before, time, axis_name)
     if reset is not None:
-      read = jnp.where(reset[..., None, None, None], jnp.zeros_like(read), read)
+      read = unless(reset, read)
   # Each token's own write, its current share.
-  o = (read + mix(pairs(q, k, now[..., None, None]), v)).astype(out_dtype)
-  if not mimo:
-    o = jnp.squeeze(o, time + 1)
+  o = (read + mix(pairs(q, k, now), v)).astype(out_dtype)
   if not return_final_state:
     return o
   key, value = start.key, start.value
@@ -314,6 +324,4 @@ def mamba3(
     if axis_name is not None:  # the last slice's
       index, size = axis_position(axis_name)
       key, value = (from_device(x, index == size - 1, axis_name) for x in (key, value))
-  if not mimo:
-    key, value = jnp.squeeze(key, time), jnp.squeeze(value, time)
   return o, Mamba3State(final, angle, key, value)
