@@ -3,6 +3,7 @@ rank-R inputs and outputs, as linear attention over folded keys plus a per-token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -110,25 +111,57 @@ def _turn(x: Array, cos: Array, sin: Array, layout: str) -> Array:
                           first * sin + second * cos, x[..., half + s:]], axis=-1)
 
 
+# Steps per block of the cumulative angles: their sums inside a block stay small.
+_ANGLE_BLOCK = 64
+
+
 def _cumulative_turns(rate: Array, start: Array, reset: Array | None, axis: int,
                       mode: str | Mode, axis_name: Hashable | None) -> tuple[Array, Array, Array]:
   """cos and sin of theta_t = theta_{t-1} + rate_t (from 0 after a reset), and the last
   theta in [0, 2 pi).
 
-  The angles run as unit complex numbers, exp(i theta_t) = exp(i rate_t) exp(i theta_{t-1}):
-  a sum of the angles themselves would grow with t and lose their float32 precision (at
-  theta ~ 1e4 its spacing is 1e-3), and the modes would turn by different roundings of it.
-  Their real and imaginary parts are the cosines and sines (no angle is taken back out but
-  the last: an arctangent and a cosine and sine per channel took a tenth of the gradient).
+  A sum of the angles over the whole sequence would grow with t and lose their float32
+  precision (at theta ~ 1e4 its spacing is 1e-3). So the sequence is cut into blocks of
+  `_ANGLE_BLOCK` steps: inside a block the angles are summed from its start (or its last
+  reset), and the blocks' turns exp(i theta) are carried from block to block as unit
+  complex numbers by `linear_recurrence` (every mode and `axis_name` as there), whose angle
+  in (-pi, pi] starts the next block. A recurrence over every step of unit complex numbers
+  held five complex copies of the angles in the gradient and ran a step at a time.
   """
-  turn = jnp.exp(1j * rate)
-  entry = jnp.zeros_like(turn)  # a reset restarts at exp(i rate_t)
+  length = rate.shape[axis]
+  size = min(_ANGLE_BLOCK, length)
+  blocks = -(-length // size)
+  pad = lambda x: jnp.pad(x, [(0, 0)] * axis + [(0, blocks * size - length)]
+                          + [(0, 0)] * (x.ndim - axis - 1))
+  lead, tail = rate.shape[:axis], rate.shape[axis + 1:]
+  # (P, C, Q): the blocks of C steps, in place (no transposes)
+  x = pad(rate).reshape((math.prod(lead) * blocks, size, math.prod(tail)))
+  carried = None  # (P, C, 1): no reset in the block up to the step
+  cut = None  # (..., n): a reset in the block
+  flags = None
   if reset is not None:
-    entry = jnp.where(reset[..., None, None], turn, entry)
-  phase, last = linear_recurrence(turn, entry, jnp.exp(1j * start), reset=reset, axis=axis,
-                                  mode=mode, return_final_state=True, axis_name=axis_name)
-  phase = phase / jnp.abs(phase)  # products of unit numbers drift from 1 by rounding
-  return jnp.real(phase), jnp.imag(phase), jnp.mod(jnp.angle(last), 2 * jnp.pi)
+    flags = pad(reset).reshape(x.shape[:2])
+    carried = (lax.cummax(flags.astype(jnp.int32), axis=1) == 0)[..., None]
+    cut = jnp.any(flags, axis=1).reshape((*lead, blocks))
+  # Summed from the block's start or its last reset, by selection: a NaN before a reset
+  # meets no product (a sum by a triangle of ones would) on its way to the steps after it.
+  local = linear_recurrence(jnp.ones_like(x), x, jnp.zeros_like(x[:, 0]), reset=flags,
+                            axis=1, mode=mode)
+  by_block = lambda a: a.reshape((*lead, blocks, *tail))  # (P, Q) -> (..., n, H, S)
+  turn = jnp.exp(1j * by_block(local[:, -1]))  # each block's own turn
+  entry = jnp.zeros_like(turn) if cut is None else jnp.where(cut[..., None, None], turn, 0)
+  first = jnp.exp(1j * start)
+  phase, final = linear_recurrence(turn, entry, first, reset=cut, axis=axis, mode=mode,
+                                   return_final_state=True, axis_name=axis_name)
+  entering = jnp.angle(_after_previous(phase, first, axis, axis_name)).reshape(x.shape[0], 1, -1)
+  theta = local + (entering if carried is None else jnp.where(carried, entering, 0))
+  # In a loop: its outputs are computed once. As plain elementwise operations XLA fuses the
+  # cosines and sines into every product that reads them, once per channel (the gradient
+  # took 80 ms against 72 ms at B=2 T=4096 H=4 N=64).
+  cos, sin = lax.map(lambda a: (jnp.cos(a), jnp.sin(a)), theta)
+  cos, sin = (lax.slice_in_dim(a.reshape((*lead, blocks * size, *tail)), 0, length, axis=axis)
+              for a in (cos, sin))
+  return cos, sin, jnp.mod(jnp.angle(final), 2 * jnp.pi)
 
 
 def _next_step(x: Array, axis: int, axis_name: Hashable | None) -> Array:
