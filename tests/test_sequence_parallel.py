@@ -18,6 +18,7 @@ import references
 from ssmkit import layers, rl
 from ssmkit._src import state_pass
 from ssmkit.scan import (
+  Mamba3State,
   associative_scan,
   delta_product,
   delta_rule,
@@ -25,6 +26,7 @@ from ssmkit.scan import (
   linear_attention,
   linear_recurrence,
   linear_recurrence_final_state,
+  mamba3,
   operators,
 )
 
@@ -518,6 +520,36 @@ def test_matrix_state_across_devices_equals_one_device(function, mode):
   argnums = tuple(range(8))
   out, grads = _outputs_and_grads(sharded, argnums, q, k, v, g, beta, a, b, state, reset)
   expected, expected_grads = _outputs_and_grads(run, argnums, q, k, v, g, beta, a, b, state, reset)
+  _assert_trees_close(out, expected)
+  _assert_trees_close(grads, expected_grads)
+
+
+def test_mamba3_angles_over_several_blocks_per_device_equal_one_device():
+  """Mamba-3's rotation angles are summed in blocks of 64 steps and carried between blocks and
+  devices: slices of 130 steps (two whole blocks and part of a third), resets at and inside
+  slice edges, the final state and every gradient."""
+  rng = np.random.default_rng(11)
+  batch, length, heads, n, p, angles = 2, DEVICES * 130, 2, 4, 2, 2
+  q, k = (rng.normal(size=(batch, length, heads, n)) for _ in range(2))
+  v = rng.normal(size=(batch, length, heads, p))
+  dt = rng.uniform(0.05, 1.0, (batch, length, heads))
+  log_decay = -rng.uniform(0.5, 2.0, dt.shape) * dt
+  trapezoid = rng.uniform(0.0, 1.0, dt.shape)
+  rate = dt[..., None] * np.pi * np.tanh(rng.normal(size=(*dt.shape, angles)))
+  state = Mamba3State(*(rng.normal(size=shape) for shape in (
+      (batch, heads, n, p), (batch, heads, angles), (batch, heads, n), (batch, heads, p))))
+  reset = _resets(rng, length, batch).T
+
+  def run(q, k, v, log_decay, dt, trapezoid, rate, state, reset, axis_name=None):
+    return mamba3(q, k, v, log_decay, dt, trapezoid, rate, initial_state=state, reset=reset,
+                  mode="chunked", chunk_size=8, return_final_state=True, axis_name=axis_name)
+
+  time = P(None, "seq")
+  sharded = _sharded(functools.partial(run, axis_name="seq"), (time,) * 7 + (P(), time),
+                     (time, P()))
+  args = (q, k, v, log_decay, dt, trapezoid, rate, state, reset)
+  out, grads = _outputs_and_grads(sharded, tuple(range(8)), *args)
+  expected, expected_grads = _outputs_and_grads(run, tuple(range(8)), *args)
   _assert_trees_close(out, expected)
   _assert_trees_close(grads, expected_grads)
 
