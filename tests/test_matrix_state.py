@@ -332,6 +332,21 @@ def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
                            modes=(("chunked", 8), ("parallel", 8)))
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_one_batch_row_takes_groups_of_heads_as_batch_rows(kind):
+  """With one batch row the chunked forms move groups of heads to the batch axis: 6 heads as
+  2 rows of 3, with resets and a starting state; values, final state, gradients and JVPs
+  against the float64 loop."""
+  assert chunks.head_groups(1, 6) == 2
+  x = _inputs(np.random.default_rng(13), kind, (), 37, heads=6)
+  expected, expected_final = _reference(x)
+  for mode in ("chunked", "parallel"):
+    out, final = _jitted(kind, mode, 8)(x)
+    _assert_close(out, expected, TOL64)
+    _assert_close(final, expected_final, TOL64)
+  _check_gradients_and_jvp(kind, x, 1e-6, modes=(("chunked", 8),))
+
+
 PER_KEY = [kind for kind in KINDS if kind[2] == "key"]
 
 

@@ -60,31 +60,49 @@ def pad(x: Inputs, size: int) -> Inputs:
                     beta=grow(x.beta), a=grow(x.a), b=grow(x.b), reset=grow(x.reset))
 
 
-def split(x: Inputs, size: int, start=0, length: int | None = None) -> Chunks:
+def split(x: Inputs, size: int, start=0, length: int | None = None, groups: int = 1) -> Chunks:
   """Chunks of `size` steps of the `length` steps of `x` from `start`, `(Z, H, n, C, ...)`.
 
   `length` (default: all of `x`'s steps) must be a multiple of `size` that fits in `x`
   (`pad`); `start` may be traced, so a loop can take one window of chunks per iteration
-  without moving the whole sequence into the chunk layout first.
+  without moving the whole sequence into the chunk layout first. With `groups` G, the heads
+  are split into G groups moved to the batch axis, `(Z G, H / G, n, C, ...)` (`head_groups`).
   """
   length = x.q.shape[1] if length is None else length
 
-  def one(a: Array | None) -> Array | None:
+  def one(a: Array | None, groups: int = groups) -> Array | None:
     if a is None:
       return None
     a = lax.dynamic_slice_in_dim(a, start, length, axis=1)
-    a = a.reshape((a.shape[0], length // size, size, *a.shape[2:]))  # (Z, n, C, H, ...)
-    return a.transpose((0, 3, 1, 2, *range(4, a.ndim)))
+    z, heads, rest = a.shape[0], a.shape[2], a.shape[3:]
+    # (Z, n, C, G, H / G, ...) -> (Z, G, H / G, n, C, ...)
+    a = a.reshape((z, length // size, size, groups, heads // groups, *rest))
+    a = a.transpose((0, 3, 4, 1, 2, *range(5, a.ndim)))
+    return a.reshape((z * groups, heads // groups, length // size, size, *rest))
 
-  reset = None if x.reset is None else x.reset[:, :, None]  # a unit head axis
-  return Chunks(one(x.q), one(x.k), one(x.v), one(x.log_decay), one(x.beta), one(reset),
-                one(x.a), one(x.b))
+  reset = None if x.reset is None else jnp.repeat(one(x.reset[:, :, None], 1), groups, axis=0)
+  return Chunks(one(x.q), one(x.k), one(x.v), one(x.log_decay), one(x.beta), reset, one(x.a),
+                one(x.b))
 
 
-def merge(out: Array) -> Array:
-  """`(Z, H, n, C, V)` outputs -> `(Z, n * C, H, V)`."""
-  out = out.transpose((0, 2, 3, 1, 4))  # (Z, n, C, H, V)
-  return out.reshape((out.shape[0], -1, *out.shape[-2:]))
+def merge(out: Array, groups: int = 1) -> Array:
+  """`(Z G, H / G, n, C, V)` outputs -> `(Z, n * C, H, V)` (`split`'s layout with `groups`)."""
+  rows, heads, n, size, dim = out.shape
+  out = out.reshape((rows // groups, groups, heads, n, size, dim))
+  out = out.transpose((0, 3, 4, 1, 2, 5))  # (Z, n, C, G, H / G, V)
+  return out.reshape((rows // groups, n * size, groups * heads, dim))
+
+
+def head_groups(batch: int, heads: int) -> int:
+  """How many groups of heads the chunk layout moves to its batch axis: with one batch row,
+  the smallest G >= 2 that leaves at least two heads per group, else 1.
+
+  A unit batch axis slowed XLA's CPU gradients by 20-37% at the same work (B=1 H=4 against
+  B=2 H=2, T=4096 K=V=64: linear attention 19.5 against 14.5 ms, KDA 89.8 against 69.2 ms).
+  """
+  if batch > 1:
+    return 1
+  return next((g for g in range(2, heads // 2 + 1) if heads % g == 0), 1)
 
 
 class Segments(NamedTuple):

@@ -140,29 +140,43 @@ def _windows(x: Inputs, size: int) -> tuple[Inputs, int, Array]:
   return padded, span, jnp.arange(0, length, span)
 
 
+def _grouped(state: Array, groups: int) -> Array:
+  """A `(Z, H, ...)` state in the layout of `chunks.split` with `groups`: `(Z G, H / G, ...)`."""
+  return state.reshape((state.shape[0] * groups, state.shape[1] // groups, *state.shape[2:]))
+
+
+def _ungrouped(state: Array, groups: int) -> Array:
+  return state.reshape((state.shape[0] // groups, state.shape[1] * groups, *state.shape[2:]))
+
+
 def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
   """Windows of chunks one after another, each rematerialised in the backward pass."""
   padded, span, starts = _windows(x, size)
+  groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
 
   def body(carry, start):
     s, out = carry
-    maps, outputs = chunk_maps(chunks.split(padded, size, start, span), precision)
+    maps, outputs = chunk_maps(chunks.split(padded, size, start, span, groups), precision)
     entering = []
     for i in range(span // size):
       entering.append(s)
       s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
-    window = chunks.merge(outputs(jnp.stack(entering, axis=2)))
+    window = chunks.merge(outputs(jnp.stack(entering, axis=2)), groups)
     return (s, lax.dynamic_update_slice_in_dim(out, window, start, axis=1)), None
 
-  (final, out), _ = lax.scan(jax.checkpoint(body), (x.state, jnp.zeros_like(padded.v)), starts)
-  return out[:, :x.q.shape[1]], final
+  (final, out), _ = lax.scan(jax.checkpoint(body),
+                             (_grouped(x.state, groups), jnp.zeros_like(padded.v)), starts)
+  return out[:, :x.q.shape[1]], _ungrouped(final, groups)
 
 
 def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
   """Every chunk at once, the chunk maps combined as a tree."""
-  maps, outputs = chunk_maps(chunks.split(chunks.pad(x, size), size), precision)
-  entering, final = state_pass.run(maps, x.state, matrix=matrix, precision=precision)
-  return chunks.merge(outputs(entering))[:, :x.q.shape[1]], final
+  groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
+  maps, outputs = chunk_maps(chunks.split(chunks.pad(x, size), size, groups=groups), precision)
+  entering, final = state_pass.run(maps, _grouped(x.state, groups), matrix=matrix,
+                                   precision=precision)
+  return (chunks.merge(outputs(entering), groups)[:, :x.q.shape[1]],
+          _ungrouped(final, groups))
 
 
 def _device_map(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, tree: bool,
