@@ -303,6 +303,11 @@ def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
   return tuple(tuple(scores(x, y) for y in ys) for x in xs)
 
 
+def read_rows(x: Array | None, every: int) -> Array | None:
+  """Steps every - 1, 2 every - 1, ... of each chunk of `(Z, H, n, C, ...)` `x` (None: None)."""
+  return None if x is None else x[:, :, :, every - 1::every]
+
+
 def masked(x: Array, mask: Array | None) -> Array:
   """`x` `(Z, H, n, C, ...)` set to zero where `mask` `(Z, 1, n, C)` is False (None: kept).
 

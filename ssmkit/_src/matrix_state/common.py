@@ -92,9 +92,8 @@ def read_out(
   if poisoned is not None:
     u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
   maps = state_pass.Maps(a, u, seg.cut)
-  read = lambda mask: None if mask is None else mask[..., read_every - 1::read_every]
-  first = read(seg.first)
-  nan_out = bad_query if poisoned is None else bad_query | read(poisoned)
+  first = chunks.read_rows(seg.first, read_every)
+  nan_out = bad_query if poisoned is None else bad_query | chunks.read_rows(poisoned, read_every)
 
   def outputs(entering: Array) -> Array:
     # A non-finite entering state is zeroed before the product and the outputs that read it

@@ -53,7 +53,7 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1):
   """
   q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
-  read = lambda x: x[:, :, :, read_every - 1::read_every]  # the read steps' rows
+  read = lambda x: chunks.read_rows(x, read_every)
   bad = None
   if reset is not None:
     (k, v, beta, g), bad = common.sanitize((k, v, beta, g))
