@@ -309,7 +309,8 @@ def read_rows(x: Array | None, every: int) -> Array | None:
 
 
 def masked(x: Array, mask: Array | None) -> Array:
-  """`x` `(Z, H, n, C, ...)` set to zero where `mask` `(Z, 1, n, C)` is False (None: kept).
+  """`x` set to zero where `mask` is False (None: kept); `mask` broadcasts against the leading
+  axes of `x`, e.g. `(Z, 1, n, C)` against `(Z, H, n, C, ...)`.
 
   A selection, not a product, so a NaN in a dropped entry stays out.
   """

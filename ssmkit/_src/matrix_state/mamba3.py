@@ -14,6 +14,7 @@ from jax import lax
 from ssmkit._src import checks
 from ssmkit._src.engine import axis_position, from_device, with_next_slice
 from ssmkit._src.linear_recurrence import accumulation_dtype, linear_recurrence
+from ssmkit._src.matrix_state import chunks
 from ssmkit._src.matrix_state.delta_product import at_step, interleave
 from ssmkit._src.matrix_state.linear_attention import linear_attention
 from ssmkit._src.modes import Mode
@@ -296,8 +297,6 @@ def mamba3(
                         zeros(*heads[:-2], heads[-1], s), zeros(*q.shape[:time], *q.shape[time + 1:]),
                         zeros(*v.shape[:time], *v.shape[time + 1:]))
   by_rank = lambda x: jnp.expand_dims(x, rank_axis)[..., None]  # (..., T, H) -> (..., T, [1,] H, 1)
-  unless = lambda flags, x: jnp.where(flags.reshape(flags.shape + (1,) * (x.ndim - flags.ndim)),
-                                      jnp.zeros_like(x), x)
 
   angle = start.angle
   if angle_rate is not None and length:
@@ -313,7 +312,7 @@ def mamba3(
   if reset is not None:  # no previous token to write, nothing earlier to read (by selection,
     # so that a NaN before the reset meets no product on its way back)
     previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
-    reading = unless(reset, reading)
+    reading = chunks.masked(reading, ~reset)
   later = _next_step(previous, time, axis_name)  # the share of each token the next one writes
   prior = jnp.einsum(f"...{row}hn,...{row}hp->...hnp", start.key, start.value)
   entry = start.state
@@ -347,7 +346,7 @@ def mamba3(
     before = jnp.einsum(f"...{row}hn,...hnp->...{row}hp", first(reading), entry, precision=precision)
     read = _after_previous(read, before, time, axis_name)
     if reset is not None:
-      read = unless(reset, read)
+      read = chunks.masked(read, ~reset)
   # Each token's own write, its current share.
   o = (read + mix(pairs(q, k, now), v)).astype(out_dtype)
   if not return_final_state:
