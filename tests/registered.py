@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import ssmkit.nnx as snx
+from ssmkit._src.layers.functional import ValueResidual, shares_values
 from ssmkit._src.layers.registry import LAYERS
 
 
@@ -57,6 +59,19 @@ def drawn_where_zero(params):
   bottlenecks) would otherwise hide the maths behind it from the contract."""
   draw = lambda p: np.random.default_rng(p.size).standard_normal(p.shape).astype(p.dtype)
   return jax.tree.map(lambda p: p if np.any(p) else draw(p), params)
+
+
+def as_later_layer(layer, call, x):
+  """`call(x, **options) -> outputs` (a linen layer's apply with its variables, or an NNX
+  layer) run as a later layer of a model: with a written value residual for a layer that
+  shares values (RWKV7), so the parameters that mix it in take part (a model's first layer
+  keeps its own values), and plainly for the others."""
+  if not shares_values(layer):
+    return call(x)
+  width = layer.maths.value_width(layer, x.shape[-1])
+  values = np.random.default_rng(width).standard_normal((*x.shape[:-1], width)).astype(np.float32)
+  y, _ = call(x, value_residual=ValueResidual(jnp.asarray(values), jnp.asarray(True)))
+  return y
 
 
 def names() -> list[str]:

@@ -1,6 +1,7 @@
 """`ssmkit.layers`: one contract every layer meets, then each layer against its paper."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -273,7 +274,10 @@ def test_lengths_zero_and_one(layer, length):
 
 
 def _squared_output_gradients(params, x, *, layer):
-  return jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2), argnums=(0, 1))(params, x)
+  def loss(p, x):  # every parameter in use
+    return jnp.sum(registered.as_later_layer(layer, functools.partial(layer.apply, p), x) ** 2)
+
+  return jax.grad(loss, argnums=(0, 1))(params, x)
 
 
 def test_gradients_are_finite(layer):

@@ -8,6 +8,8 @@ NumPy loops written from their papers and reference modules (state-spaces/mamba
 distributions those modules draw from. The shared contract
 (modes, steps, resets, streaming, gradients) is in test_layers.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -461,19 +463,25 @@ def test_gated_deltaproduct_matches_the_reference_layer():
   _assert_close(_stepped(layer, params, x, reset), expected)
 
 
-def _rwkv7_reference(p, x, reset, *, head_dim, eps=1e-5):
-  """fla's RWKV7Attention.forward at layer 0 with `dplr_recurrence` (a = -kk, b = kk * a),
-  one step at a time."""
+def _rwkv7_reference(p, x, reset, *, head_dim, eps=1e-5, v_first=None):
+  """fla's RWKV7Attention.forward with `dplr_recurrence` (a = -kk, b = kk * a), one step at a
+  time: at layer 0 without `v_first` `(T, value_dim)`, at a later layer with it. Returns the
+  outputs and the first layer's values (the layer's own at layer 0)."""
   heads = x.shape[1] // head_dim
   head_v = p["v_proj"].shape[1] // heads
   state, previous = np.zeros((heads, head_dim, head_v)), np.zeros(x.shape[1])
-  ys = []
+  ys, firsts = [], []
   for t in range(x.shape[0]):
     if reset[t]:
       state, previous = np.zeros_like(state), np.zeros_like(previous)
     delta, previous = previous - x[t], x[t]
     xr, xw, xk, xv, xa, xg = (x[t] + delta * p[f"x_{m}"] for m in "rwkvag")
     r, k, v = xr @ p["r_proj"], xk @ p["k_proj"], xv @ p["v_proj"]
+    if v_first is None:
+      firsts.append(v)
+    else:  # torch.lerp(v, v_first, sigmoid(v_lora(xv)))
+      firsts.append(v_first[t])
+      v = v + (v_first[t] - v) * _sigmoid(xv @ p["v_down"] @ p["v_up"] + p["v_bias"])
     w = -np.exp(-0.5) * _sigmoid(np.tanh(xw @ p["w_down"]) @ p["w_up"] + p["w_bias"])
     a = _sigmoid(xa @ p["a_down"] @ p["a_up"] + p["a_bias"])
     g = _sigmoid(xg @ p["g_down"]) @ p["g_up"]
@@ -491,7 +499,7 @@ def _rwkv7_reference(p, x, reset, *, head_dim, eps=1e-5):
     o = o.reshape(-1) * p["norm_scale"] + p["norm_bias"]
     o = o + (np.sum(r * k * p["r_k"], -1, keepdims=True) * v).reshape(-1)
     ys.append((o * g) @ p["o_proj"])
-  return np.stack(ys)
+  return np.stack(ys), np.stack(firsts)
 
 
 def _perturbed(params, seed):
@@ -509,10 +517,94 @@ def test_rwkv7_matches_the_reference_layer(options):
   layer = layers.RWKV7(decay_low_rank_dim=4, a_low_rank_dim=3, gate_low_rank_dim=5, **options)
   x, reset = _x((29, 6)), _resets(29)
   params = _perturbed(compiled.init(layer, x.shape, 13), 3)
-  expected = _rwkv7_reference(_params64(params), np.asarray(x, np.float64), reset,
-                              head_dim=options["head_dim"])
+  expected, _ = _rwkv7_reference(_params64(params), np.asarray(x, np.float64), reset,
+                                 head_dim=options["head_dim"])
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)
+
+
+@pytest.mark.parametrize("options", [dict(head_dim=3), dict(head_dim=2, value_dim=12)],
+                         ids=["default", "wider-values"])
+def test_rwkv7_mixes_in_the_first_layers_values_as_the_reference_layer(options):
+  layer = layers.RWKV7(decay_low_rank_dim=4, a_low_rank_dim=3, value_low_rank_dim=2,
+                       gate_low_rank_dim=5, **options)
+  x, reset = _x((29, 6)), _resets(29)
+  params = _perturbed(compiled.init(layer, x.shape, 13), 4)
+  p, x64 = _params64(params), np.asarray(x, np.float64)
+  own, own_values = _rwkv7_reference(p, x64, reset, head_dim=options["head_dim"])
+  width = own_values.shape[-1]
+  fresh = layers.ValueResidual.start(x, width)
+  y, passed = compiled.run(layer, mode="chunked")(params, x, reset, value_residual=fresh)
+  _assert_close(y, own)  # the first layer keeps its values and passes them on
+  _assert_close(passed.values, own_values)
+  assert passed.written
+  first = layers.ValueResidual(_x((29, width), seed=5), jnp.asarray(True))
+  expected, _ = _rwkv7_reference(p, x64, reset, head_dim=options["head_dim"],
+                                 v_first=np.asarray(first.values, np.float64))
+  y, passed = compiled.run(layer, mode="chunked")(params, x, reset, value_residual=first)
+  _assert_close(y, expected)
+  np.testing.assert_array_equal(passed.values, first.values)
+  state, ys = layer.initialize_state(x.shape[1:]), []
+  step = compiled.run(layer, method="step")
+  for t in range(x.shape[0]):
+    state, y_t, shared = step(params, state, x[t], reset[t], first._replace(values=first.values[t]))
+    np.testing.assert_array_equal(shared.values, first.values[t])
+    ys.append(y_t)
+  _assert_close(np.stack(ys), expected)
+  with pytest.raises(ValueError, match="`value_residual` must be a state like"):
+    layer.apply(params, x, value_residual=layers.ValueResidual.start(x, width + 1))
+  with pytest.raises(ValueError, match="`value_residual`: LRU shares no values"):
+    layers.LRU(d_state=2).init(jax.random.key(0), x, value_residual=first)
+
+
+def _rms_norm_scaled(v, scale, eps=1e-6):
+  return _rms_norm(v, eps) * scale
+
+
+def _rwkv7_model_reference(p, blocks, x, reset, *, head_dim):
+  """A SequenceModel of RWKV7 mixer blocks (RMSNorm, no MLP, pooling "none") over one sequence
+  `x` `(T, F)`: the encoder, h <- h + RWKV7_i(rms(h)) for each block's parameters in `blocks`,
+  the first block's values passed to the later ones as fla's RWKV7Model passes `v_first`,
+  the final norm and the decoder."""
+  h = x @ p["encoder"]["kernel"] + p["encoder"]["bias"]
+  first = None
+  for block in blocks:
+    y, first = _rwkv7_reference(block["mixer"], _rms_norm_scaled(h, block["norm"]["RMSNorm_0"]["scale"]),
+                                reset, head_dim=head_dim, v_first=first)
+    h = h + y
+  h = _rms_norm_scaled(h, p["final_norm"]["RMSNorm_0"]["scale"])
+  return h @ p["decoder"]["kernel"] + p["decoder"]["bias"]
+
+
+@pytest.mark.parametrize("scan_blocks", [False, True], ids=["unrolled", "scanned"])
+def test_rwkv7_model_passes_the_first_layers_values_to_every_later_layer(scan_blocks):
+  from flax import nnx
+
+  from ssmkit import nnx as snx
+
+  make = functools.partial(layers.RWKV7, head_dim=2, decay_low_rank_dim=3, a_low_rank_dim=2,
+                           value_low_rank_dim=2, gate_low_rank_dim=3)
+  model = layers.SequenceModel(5, layer=make, features=6, num_blocks=3, pooling="none",
+                               block="mixer", norm="rms", scan_blocks=scan_blocks)
+  x, reset = _x((2, 17, 3)), np.stack([_resets(17, seed=6), _resets(17, seed=7)])
+  variables = _perturbed(compiled.init(model, x.shape, 15), 5)
+  p = jax.tree.map(lambda v: np.asarray(v, np.float64), variables["params"])
+  if scan_blocks:
+    blocks = [jax.tree.map(lambda v, i=i: v[i], p["blocks"]["block"]) for i in range(3)]
+  else:
+    blocks = [p[f"block_{i}"] for i in range(3)]
+  expected = np.stack([_rwkv7_model_reference(p, blocks, np.asarray(x[b], np.float64), reset[b],
+                                              head_dim=2) for b in range(2)])
+  _assert_close(compiled.run(model)(variables, x, reset=reset), expected, rtol=1e-4)
+  state, ys = model.initialize_state(x[:, 0].shape), []
+  step = compiled.run(model, method="step")
+  for t in range(x.shape[1]):
+    state, y_t = step(variables, state, x[:, t], reset[:, t])
+    ys.append(y_t)
+  _assert_close(np.stack(ys, 1), expected, rtol=1e-4)
+  nnx_model = snx.from_linen(model, variables)
+  y = nnx.jit(lambda m, x, reset: m(x, reset=reset))(nnx_model, x, reset)
+  _assert_close(y, expected, rtol=1e-4)
 
 
 def test_rwkv7_initialisation_follows_the_reference():

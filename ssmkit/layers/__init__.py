@@ -3,6 +3,7 @@
 from ssmkit._src.layers.attention import Attention, AttentionState
 from ssmkit._src.layers.block import MixerBlock, SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
+from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
@@ -37,5 +38,6 @@ __all__ = [
     "RGLRUState",
     "SSMBlock",
     "SequenceModel",
+    "ValueResidual",
     "generate",
 ]

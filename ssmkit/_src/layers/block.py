@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common
+from ssmkit._src.layers.functional import ValueResidual, shares_values
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.modes import Mode
 
@@ -36,21 +37,28 @@ def expand_mask(mask: Array | None, x: Array) -> Array | None:
 
 
 def run_layer(layer: Any, x: Array, *, reset: Array | None, state: Any, single_step: bool,
-              return_state: bool, mode: str | Mode, axis_name: Hashable | None = None
-              ) -> tuple[Any, Array]:
-  """`(state, y)` of an SSM layer (linen or NNX) on one step, or on a sequence from `state`
-  (with its time axis split over the mesh axis `axis_name`, if given).
+              return_state: bool, mode: str | Mode, axis_name: Hashable | None = None,
+              value_residual: ValueResidual | None = None) -> tuple[tuple[Any, Any], Array]:
+  """`((state, value_residual), y)` of an SSM layer (linen or NNX) on one step, or on a sequence
+  from `state` (with its time axis split over the mesh axis `axis_name`, if given).
 
-  The state is None on a sequence without `state` and `return_state`.
+  The state is None on a sequence without `state` and `return_state`. The value residual
+  passes to a layer that shares values (`functional.shares_values`) and comes back from it;
+  any other layer passes it on unchanged.
   """
+  options = {}
+  if value_residual is not None and shares_values(layer):
+    options["value_residual"] = value_residual
   if single_step:
-    return layer.step(state, x, reset)
+    state, y, *shared = layer.step(state, x, reset, **options)
+    return (state, shared[0] if shared else value_residual), y
   # Only asked for when used, so any layer with the basic contract fits the plain paths.
-  options = {} if axis_name is None else {"axis_name": axis_name}
-  if state is None and not return_state:
-    return None, layer(x, reset, mode=mode, **options)
-  y, state = layer(x, reset, mode=mode, initial_state=state, return_state=True, **options)
-  return state, y
+  if axis_name is not None:
+    options["axis_name"] = axis_name
+  if state is None and not return_state and "value_residual" not in options:
+    return (None, value_residual), layer(x, reset, mode=mode, **options)
+  y, state, *shared = layer(x, reset, mode=mode, initial_state=state, return_state=True, **options)
+  return (state, shared[0] if shared else value_residual), y
 
 
 def check_norm_across_devices(batch_statistics: bool, axis_name: Hashable | None) -> None:
@@ -75,7 +83,8 @@ def residual(x: Array, mask: Array | None, ssm: Callable[[Array], tuple[Any, Arr
   Args:
     x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
     mask: optional `x.shape[:-1]` booleans, True on real steps: the SSM sees zeros elsewhere.
-    ssm: the SSM layer, `ssm(u) -> (state, y)` (see `run_layer`).
+    ssm: the SSM layer, `ssm(u) -> (carry, y)`, its carry the layer's state and value
+      residual (see `run_layer`).
     norm: the normalisation.
     dropout: the dropout (the identity at inference).
     value: the GLU's value projection, or None.
@@ -83,17 +92,17 @@ def residual(x: Array, mask: Array | None, ssm: Callable[[Array], tuple[Any, Arr
     prenorm: normalise the input (True) or the residual sum (False).
 
   Returns:
-    `(state, y)`: the SSM's state and the outputs, of `x`'s shape and dtype.
+    `(carry, y)`: the SSM's carry and the outputs, of `x`'s shape and dtype.
   """
   y = norm(x) if prenorm else x
   if mask is not None:
     y = jnp.where(mask[..., None], y, jnp.zeros_like(y))
-  state, y = ssm(y)
+  carry, y = ssm(y)
   y = dropout(jax.nn.gelu(y))
   if gate is not None:
     y = dropout((y if value is None else value(y)) * jax.nn.sigmoid(gate(y)))
   y = x + y.astype(x.dtype)
-  return state, y if prenorm else norm(y)
+  return carry, y if prenorm else norm(y)
 
 
 def mlp_width(features: int, expansion: float) -> int:
@@ -121,23 +130,24 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
   Args:
     x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
     mask: optional `x.shape[:-1]` booleans, True on real steps: the mixer sees zeros elsewhere.
-    mixer: the sequence layer, `mixer(u) -> (state, y)` (see `run_layer`).
+    mixer: the sequence layer, `mixer(u) -> (carry, y)`, its carry the layer's state and
+      value residual (see `run_layer`).
     norm: the normalisation before the mixer.
     dropout: the dropout (the identity at inference).
     mlp_norm: the normalisation before the MLP, or None without one.
     mlp: the MLP (see `feed_forward`), or None.
 
   Returns:
-    `(state, y)`: the mixer's state and the outputs, of `x`'s shape and dtype.
+    `(carry, y)`: the mixer's carry and the outputs, of `x`'s shape and dtype.
   """
   h = norm(x)
   if mask is not None:
     h = jnp.where(mask[..., None], h, jnp.zeros_like(h))
-  state, h = mixer(h)
+  carry, h = mixer(h)
   x = x + dropout(h).astype(x.dtype)
   if mlp is not None:
     x = x + dropout(mlp(mlp_norm(x))).astype(x.dtype)
-  return state, x
+  return carry, x
 
 
 class Norm(nn.Module):
@@ -212,8 +222,9 @@ class _Block(nn.Module):
     """
     x, reset = common.check_sequence(x, reset)
     mask = check_mask(mask, x)
-    state, y = self.forward(x, mask, reset, initial_state, single_step=False,
-                            return_state=return_state, mode=mode, train=train, axis_name=axis_name)
+    (state, _), y = self.forward(x, mask, reset, initial_state, single_step=False,
+                                 return_state=return_state, mode=mode, train=train,
+                                 axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
@@ -232,8 +243,9 @@ class _Block(nn.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, H)`.
     """
     x_t, reset = common.check_step(x_t, reset)
-    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
-                        train=False)
+    (state, _), y = self.forward(x_t, None, reset, state, single_step=True, return_state=True,
+                                 mode="auto", train=False)
+    return state, y
 
 
 class SSMBlock(_Block):
@@ -263,9 +275,10 @@ class SSMBlock(_Block):
 
   @nn.compact
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None
-              ) -> tuple[Any, Array]:
-    """The block on checked inputs, carry first, as a model stacks it: `(state, y)`.
+              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None,
+              value_residual: ValueResidual | None = None) -> tuple[tuple[Any, Any], Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `((state,
+    value_residual), y)`.
 
     Args:
       x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
@@ -277,12 +290,13 @@ class SSMBlock(_Block):
       mode: scan mode of the SSM layer.
       train: dropout on and BatchNorm on batch statistics.
       axis_name: the mesh axis over which the time axis is split, or None.
+      value_residual: the value residual of the blocks before (see `run_layer`), or None.
     """
     check_choice(self.activation, ACTIVATIONS, "activation")
     norm = self._norm("norm")
     ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
                             single_step=single_step, return_state=return_state, mode=mode,
-                            axis_name=axis_name)
+                            axis_name=axis_name, value_residual=value_residual)
     width = x.shape[-1]
     return residual(
         x, mask, ssm, norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
@@ -323,15 +337,15 @@ class MixerBlock(_Block):
 
   @nn.compact
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
-              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None
-              ) -> tuple[Any, Array]:
-    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (arguments as
-    `SSMBlock.forward`'s)."""
+              return_state: bool, mode: str | Mode, train: bool, axis_name: Hashable | None = None,
+              value_residual: ValueResidual | None = None) -> tuple[tuple[Any, Any], Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `((state,
+    value_residual), y)` (arguments as `SSMBlock.forward`'s)."""
     check_choice(self.mlp, MLPS, "mlp")
     norm = self._norm("norm")
     mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
                               single_step=single_step, return_state=return_state, mode=mode,
-                              axis_name=axis_name)
+                              axis_name=axis_name, value_residual=value_residual)
     mlp = mlp_norm = None
     if self.mlp != "none":
       mlp_norm = functools.partial(self._norm("mlp_norm"), mask=mask, train=train,

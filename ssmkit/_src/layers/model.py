@@ -24,6 +24,7 @@ from ssmkit._src.layers.block import (
   check_choice,
   check_mask,
 )
+from ssmkit._src.layers.functional import LinenLayer, ValueResidual, shares_values
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.modes import Mode
 
@@ -134,18 +135,21 @@ class _ScannedBlocks(nn.Module):
   axis_name: Hashable | None = None
 
   @nn.compact
-  def __call__(self, x: Array, state: Any, mask: Array | None, reset: Array | None) -> tuple[Array, Any]:
+  def __call__(self, carry: tuple[Array, ValueResidual | None], state: Any, mask: Array | None,
+               reset: Array | None) -> tuple[tuple[Array, ValueResidual | None], Any]:
+    x, shared = carry
     flags = dict(single_step=self.single_step, return_state=self.return_state, mode=self.mode,
                  train=self.train, axis_name=self.axis_name)
     if not self.pattern:
-      state, x = self.blocks[0](name="block").forward(x, mask, reset, state, **flags)
-      return x, state
+      (state, shared), x = self.blocks[0](name="block").forward(x, mask, reset, state,
+                                                                value_residual=shared, **flags)
+      return (x, shared), state
     states = []
     for j, make in enumerate(self.blocks):
-      block_state, x = make(name=f"block_{j}").forward(x, mask, reset,
-                                                       None if state is None else state[j], **flags)
+      (block_state, shared), x = make(name=f"block_{j}").forward(
+          x, mask, reset, None if state is None else state[j], value_residual=shared, **flags)
       states.append(block_state)
-    return x, tuple(states)
+    return (x, shared), tuple(states)
 
 
 class SequenceModel(nn.Module):
@@ -244,21 +248,26 @@ class SequenceModel(nn.Module):
   def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
                   **flags: Any) -> tuple[Array, Any]:
     blocks = self._blocks()
+    shared = start_value_residual(self, x)
     if not self.scan_blocks:
       states = []
       for i in range(self.num_blocks):
         block = blocks[i % len(blocks)](name=f"block_{i}")
-        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
+        (block_state, shared), x = block.forward(x, mask, reset, None if state is None else state[i],
+                                                 value_residual=shared, **flags)
         states.append(block_state)
       return x, tuple(states)
     if callable(self.layer):
-      return self._scanned(blocks, self.num_blocks, "blocks", **flags)(x, state, mask, reset)
+      (x, _), state = self._scanned(blocks, self.num_blocks, "blocks", **flags)(
+          (x, shared), state, mask, reset)
+      return x, state
     repeats, rest = scanned_counts(self)
     state = (None, None) if state is None else state
-    x, repeated = self._scanned(blocks, repeats, "blocks", **flags)(x, state[0], mask, reset)
+    (x, shared), repeated = self._scanned(blocks, repeats, "blocks", **flags)(
+        (x, shared), state[0], mask, reset)
     tail = ()
     if rest:
-      x, tail = self._scanned(blocks[:rest], 1, "tail", **flags)(x, state[1], mask, reset)
+      (x, _), tail = self._scanned(blocks[:rest], 1, "tail", **flags)((x, shared), state[1], mask, reset)
     return x, (repeated, tail)
 
   @nn.compact
@@ -476,18 +485,39 @@ def _filter_logits(logits: Array, top_k: int | None = None, top_p: Array | float
   return logits
 
 
-def _global_attention_cache(model: Any) -> int | None:
-  """The smallest `cache_size` of the global (window None) attention layers of a model of either
-  front end, None without one; layer factories other than partials of a class are skipped."""
-  sizes = []
+def _pattern_layers(model: Any) -> list[LinenLayer]:
+  """The linen layers of a model's pattern (of either front end), one per position, built
+  without parameters; factories other than ssmkit's layer classes or partials of them are
+  skipped."""
+  layers = []
   for make in layer_pattern(model.layer):
     cls = getattr(make, "func", make)
     cls = getattr(cls, "linen", cls)  # an NNX front end's linen layer
-    if isinstance(cls, type) and issubclass(cls, Attention):
-      layer = cls(**getattr(make, "keywords", {}), parent=None)
-      if layer.window is None:
-        sizes.append(layer.cache_size)
-  return min(sizes, default=None)
+    if isinstance(cls, type) and issubclass(cls, LinenLayer):
+      layers.append(cls(**getattr(make, "keywords", {}), parent=None))
+  return layers
+
+
+def _global_attention_cache(model: Any) -> int | None:
+  """The smallest `cache_size` of the global (window None) attention layers of a model of either
+  front end, None without one."""
+  return min((layer.cache_size for layer in _pattern_layers(model)
+              if isinstance(layer, Attention) and layer.window is None), default=None)
+
+
+def start_value_residual(model: Any, x: Array) -> ValueResidual | None:
+  """The value residual a model of either front end threads through its blocks, for block
+  inputs `x` `(..., T, H)` or `(*batch, H)`; None when no layer of its pattern shares values.
+
+  Raises:
+    ValueError: naming `layer` when its sharing layers share different numbers of channels.
+  """
+  widths = {layer.maths.value_width(layer, model.features) for layer in _pattern_layers(model)
+            if shares_values(layer)}
+  if len(widths) > 1:
+    raise ValueError(f"`layer`: the layers that share values (RWKV7) must share as many channels "
+                     f"(`value_dim`), got {sorted(widths)}.")
+  return ValueResidual.start(x, widths.pop()) if widths else None
 
 
 def _is_concrete(x: Any) -> bool:

@@ -30,13 +30,14 @@ MIXES = ("r", "w", "k", "v", "a", "g")
 
 
 def low_rank_sizes(cfg: Any, features: int) -> dict[str, int]:
-  """The bottleneck of the decay, in-context learning rate and gate LoRAs: the configured ones,
-  or the reference's defaults (multiples of 32 that grow as sqrt(features))."""
+  """The bottleneck of the decay, in-context learning rate, value residual and gate LoRAs: the
+  configured ones, or the reference's defaults (multiples of 32 that grow as sqrt(features))."""
   factor = head_dim(cfg, features) / 64
   default = lambda scale, by_head: max(
       32, round(scale * features**0.5 * (factor if by_head else 1) / 32) * 32)
   return {"w": cfg.decay_low_rank_dim or default(2.5, True),
           "a": cfg.a_low_rank_dim or default(2.5, True),
+          "v": cfg.value_low_rank_dim or default(1.7, True),
           "g": cfg.gate_low_rank_dim or default(5.0, False)}
 
 
@@ -65,7 +66,7 @@ def _check(cfg: Any, features: int) -> None:
     common.check_positive_int(cfg.value_dim, "value_dim")
     if cfg.value_dim % heads:
       raise ValueError(f"`value_dim`={cfg.value_dim} must be a multiple of the {heads} heads.")
-  for name in ("decay_low_rank_dim", "a_low_rank_dim", "gate_low_rank_dim"):
+  for name in ("decay_low_rank_dim", "a_low_rank_dim", "value_low_rank_dim", "gate_low_rank_dim"):
     if getattr(cfg, name) is not None:
       common.check_positive_int(getattr(cfg, name), name)
   if not 0 <= cfg.layer_index < cfg.num_layers:
@@ -75,12 +76,17 @@ def _check(cfg: Any, features: int) -> None:
     raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
 
 
+def _linear(channels: int) -> np.ndarray:
+  """-1/2 at the first of `channels`, rising evenly to 1/2 at the last."""
+  return np.arange(channels, dtype=np.float64) / max(channels - 1, 1) - 0.5
+
+
 def _depth_profile(cfg: Any, features: int) -> dict[str, np.ndarray]:
   """The reference's starting values, which depend on the channel and on the layer's depth."""
   n = np.arange(features, dtype=np.float64)
   early = cfg.layer_index / max(cfg.num_layers - 1, 1)  # 0 at the first layer, 1 at the last
   late = 1 - cfg.layer_index / cfg.num_layers  # 1 at the first layer, near 0 at the last
-  linear = n / max(features - 1, 1) - 0.5
+  linear = _linear(features)
   k = head_dim(cfg, features)
   half = (k - 1) / 2
   zigzag = ((n % k) - half) / half if half else np.zeros_like(n)
@@ -118,6 +124,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
       "v_proj": orthogonal(features, heads * v, 1.0),
       **lora("w", heads * k), "w_bias": fixed("w_bias"),
       **lora("a", heads * k), "a_bias": fixed("a_bias"),
+      **lora("v", heads * v),
+      # The value residual's mix starts at 0.63 to 0.72 of the first layer's values.
+      "v_bias": ParamSpec((heads * v,), constant(0.73 - 0.4 * _linear(heads * v))),
       **lora("g", heads * v),
       "k_k": fixed("k_k"),
       "k_a": ParamSpec((heads * k,), nn.initializers.constant(1.02)),
@@ -152,10 +161,17 @@ def group_norm(o: Array, scale: Array, bias: Array, eps: float) -> Array:
   return o * common.leading_ones(scale, o.ndim) + common.leading_ones(bias, o.ndim)
 
 
+def value_width(cfg: Any, features: int) -> int:
+  """The channels of the values RWKV-7 shares across layers: `value_dim`, or H."""
+  return cfg.value_dim or features
+
+
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
-             initial_state: ConvRecurrentState | None = None,
-             axis_name: Hashable | None = None) -> tuple[Array, ConvRecurrentState]:
-  """RWKV-7's time mixing over `(..., T, H)` inputs: `(y, state after the last step)`."""
+             initial_state: ConvRecurrentState | None = None, axis_name: Hashable | None = None,
+             value_residual: functional.ValueResidual
+             ) -> tuple[Array, ConvRecurrentState, functional.ValueResidual]:
+  """RWKV-7's time mixing over `(..., T, H)` inputs: `(y, state after the last step, value
+  residual after the layer)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   heads, k_dim, _ = sizes(cfg, x.shape[-1])
   dtype = common.computation_dtype(x.dtype)
@@ -168,6 +184,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
       inner(common.project(mixed[name], params[f"{name}_down"], dtype)), params[f"{name}_up"], dtype)
   channel = lambda name: common.leading_ones(params[name].astype(acc), x.ndim)
   r, k, v = (common.project(mixed[name], params[f"{name}_proj"], dtype) for name in "rkv")
+  first = jnp.where(value_residual.written, value_residual.values.astype(v.dtype), v)
+  v = v + (first - v) * jax.nn.sigmoid(lora("v", lambda h: h) + channel("v_bias"))
   w = -DECAY_LIMIT * jax.nn.sigmoid(lora("w", jnp.tanh) + channel("w_bias"))
   a = jax.nn.sigmoid(lora("a", lambda h: h) + channel("a_bias"))
   g = lora("g", jax.nn.sigmoid)
@@ -184,13 +202,14 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   bonus = jnp.sum(r * k * common.leading_ones(params["r_k"].astype(acc), r.ndim), axis=-1,
                   keepdims=True) * v
   y = common.project((o + bonus.reshape(o.shape)) * g, params["o_proj"], dtype)
-  return y.astype(x.dtype), ConvRecurrentState(window, s)
+  return y.astype(x.dtype), ConvRecurrentState(window, s), value_residual.passed(first)
 
 
 def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Array,
-         reset: Array | None = None) -> tuple[ConvRecurrentState, Array]:
-  """One step of RWKV-7's time mixing on `(*batch, H)` inputs: `(state, y_t)`."""
-  return functional.one_step(sequence, cfg, params, state, x_t, reset)
+         reset: Array | None, value_residual: functional.ValueResidual
+         ) -> tuple[ConvRecurrentState, Array, functional.ValueResidual]:
+  """One step of RWKV-7's time mixing on `(*batch, H)` inputs: `(state, y_t, value residual)`."""
+  return functional.one_step(sequence, cfg, params, state, x_t, reset, value_residual)
 
 
 class RWKV7(functional.LinenLayer):
@@ -213,15 +232,23 @@ class RWKV7(functional.LinenLayer):
   `conv` part is the previous input `(*batch, 1, H)` and whose `recurrent` part is
   `(*batch, heads, K, V)`.
 
-  The layer is the reference's first layer: it has no value residual, which mixes the first
-  layer's values into every later layer's.
+  The value residual: in a model, the values v^1 of the first RWKV7 layer pass to every later
+  one (a `ValueResidual`, which `SequenceModel` threads through its blocks), and each mixes
+  them into its own,
+
+    v_t <- v_t + (v^1_t - v_t) sigmoid(W_v2 W_v1 x^v_t + b_v),
+
+  before the state update and the bonus. The first layer keeps its own values (its v LoRA
+  changes nothing there, so every layer has the same parameters and `scan_blocks` stacks
+  them); a layer called on its own is a model's first.
 
   Attributes:
     head_dim: key channels K per head; H must be a multiple. None: 64 (the reference's), or
       H for narrower inputs.
     value_dim: value channels over all heads; None: H.
-    decay_low_rank_dim, a_low_rank_dim, gate_low_rank_dim: the bottlenecks of the decay, of
-      a and of the gate; None: the reference's defaults (32 and up, growing as sqrt(H)).
+    decay_low_rank_dim, a_low_rank_dim, value_low_rank_dim, gate_low_rank_dim: the
+      bottlenecks of the decay, of a, of the value residual's mix and of the gate; None: the
+      reference's defaults (32 and up, growing as sqrt(H)).
     layer_index, num_layers: the layer's place in its model, which sets its starting
       parameters as the reference's (they change nothing else).
     norm_eps: the GroupNorm's epsilon per key channel.
@@ -237,6 +264,7 @@ class RWKV7(functional.LinenLayer):
   value_dim: int | None = None
   decay_low_rank_dim: int | None = None
   a_low_rank_dim: int | None = None
+  value_low_rank_dim: int | None = None
   gate_low_rank_dim: int | None = None
   layer_index: int = 0
   num_layers: int = 1
@@ -245,6 +273,6 @@ class RWKV7(functional.LinenLayer):
   param_dtype: jnp.dtype = jnp.float32
 
   parameter_groups = common.ParameterGroups(no_decay=frozenset(
-      {*(f"x_{name}" for name in MIXES), "w_bias", "a_bias", "k_k", "k_a", "r_k", "norm_scale",
+      {*(f"x_{name}" for name in MIXES), "w_bias", "a_bias", "v_bias", "k_k", "k_a", "r_k", "norm_scale",
        "norm_bias"}))
-  maths = functional.Maths(param_specs, sequence, step, initialize_state)
+  maths = functional.Maths(param_specs, sequence, step, initialize_state, value_width=value_width)

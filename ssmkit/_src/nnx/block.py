@@ -25,6 +25,7 @@ from ssmkit._src.layers.block import (
   residual,
   run_layer,
 )
+from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.layers import LRU
 
@@ -89,8 +90,8 @@ class _Block(nnx.Module):
       `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
     """
     x, reset = common.check_sequence(x, reset)
-    state, y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
-                            return_state=return_state, mode=mode, axis_name=axis_name)
+    (state, _), y = self.forward(x, check_mask(mask, x), reset, initial_state, single_step=False,
+                                 return_state=return_state, mode=mode, axis_name=axis_name)
     return (y, state) if return_state else y
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
@@ -109,7 +110,9 @@ class _Block(nnx.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, H)`.
     """
     x_t, reset = common.check_step(x_t, reset)
-    return self.forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
+    (state, _), y = self.forward(x_t, None, reset, state, single_step=True, return_state=True,
+                                 mode="auto")
+    return state, y
 
 
 class SSMBlock(_Block):
@@ -167,13 +170,16 @@ class SSMBlock(_Block):
 
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
               single_step: bool, return_state: bool, mode: str | Mode,
-              axis_name: Hashable | None = None) -> tuple[Any, Array]:
-    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
-    `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
+              axis_name: Hashable | None = None, value_residual: ValueResidual | None = None
+              ) -> tuple[tuple[Any, Any], Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `((state,
+    value_residual), y)` (see `ssmkit.layers.SSMBlock.forward`; training follows `train()` /
+    `eval()`)."""
     return residual(
         x, mask,
         functools.partial(run_layer, self.ssm, reset=reset, state=state, single_step=single_step,
-                          return_state=return_state, mode=mode, axis_name=axis_name),
+                          return_state=return_state, mode=mode, axis_name=axis_name,
+                          value_residual=value_residual),
         norm=lambda u: normalize(self.norm, u, mask, inference=single_step, axis_name=axis_name),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         value=self.glu_value, gate=self.glu_gate, prenorm=self.prenorm)
@@ -239,9 +245,11 @@ class MixerBlock(_Block):
 
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
               single_step: bool, return_state: bool, mode: str | Mode,
-              axis_name: Hashable | None = None) -> tuple[Any, Array]:
-    """The block on checked inputs, carry first, as a model stacks it: `(state, y)` (see
-    `ssmkit.layers.SSMBlock.forward`; training follows `train()` / `eval()`)."""
+              axis_name: Hashable | None = None, value_residual: ValueResidual | None = None
+              ) -> tuple[tuple[Any, Any], Array]:
+    """The block on checked inputs, carry first, as a model stacks it: `((state,
+    value_residual), y)` (see `ssmkit.layers.SSMBlock.forward`; training follows `train()` /
+    `eval()`)."""
     norm = functools.partial(normalize, mask=mask, inference=single_step, axis_name=axis_name)
     mlp = None
     if self.mlp != "none":
@@ -250,7 +258,8 @@ class MixerBlock(_Block):
     return mixer_residual(
         x, mask,
         functools.partial(run_layer, self.mixer, reset=reset, state=state, single_step=single_step,
-                          return_state=return_state, mode=mode, axis_name=axis_name),
+                          return_state=return_state, mode=mode, axis_name=axis_name,
+                          value_residual=value_residual),
         norm=lambda u: norm(self.norm, u),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp)

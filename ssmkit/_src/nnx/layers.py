@@ -103,7 +103,8 @@ class Layer(nnx.Module):
 
   def __call__(self, x: Array, reset: Array | None = None, mode: str | Mode = "auto", *,
                initial_state: Any = None, return_state: bool = False,
-               axis_name: Hashable | None = None) -> Any:
+               axis_name: Hashable | None = None,
+               value_residual: functional.ValueResidual | None = None) -> Any:
     """Runs the whole sequence, as the linen layer's `__call__` does.
 
     Args:
@@ -113,24 +114,29 @@ class Layer(nnx.Module):
       initial_state: optional state to start from, as `step` makes it; default zeros.
       return_state: also return the state after the last step.
       axis_name: the mesh axis over which the time axis is split, as for the linen layer.
+      value_residual: for a layer that shares values (RWKV7), the value residual of the
+        layers before it, as for the linen layer.
 
     Returns:
-      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`.
+      `(..., T, H)` outputs in `x`'s dtype; with `return_state`, `(outputs, state)`; with
+      `value_residual`, the value residual after this layer last.
     """
     return functional.run_sequence(self.maths, self, self._params, x, reset, mode,
                                    initial_state=initial_state, return_state=return_state,
-                                   axis_name=axis_name)
+                                   axis_name=axis_name, value_residual=value_residual)
 
   def initialize_state(self, input_shape: tuple[int, ...]) -> Any:
     """The zero state for inputs `(*batch, H)` of one step."""
     return self.maths.initialize_state(self, tuple(input_shape))
 
-  def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
+  def step(self, state: Any, x_t: Array, reset: Array | None = None,
+           value_residual: functional.ValueResidual | None = None) -> tuple[Any, ...]:
     """Advances one step from `state` on `(*batch, H)` inputs; `(state, y_t)`.
 
-    `reset`: optional `(*batch,)` booleans; True clears the state before this step.
+    `reset`: optional `(*batch,)` booleans; True clears the state before this step. With a
+    `value_residual` (as the linen layer's `step` takes it), `(state, y_t, value_residual)`.
     """
-    return functional.run_step(self.maths, self, self._params, state, x_t, reset)
+    return functional.run_step(self.maths, self, self._params, state, x_t, reset, value_residual)
 
 
 def _method(fn: functional.Method) -> Any:

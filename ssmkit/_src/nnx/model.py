@@ -23,6 +23,7 @@ from ssmkit._src.layers.model import (
   sample,
   scale_embeddings,
   scanned_counts,
+  start_value_residual,
 )
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.block import MixerBlock, SSMBlock, make_norm, normalize
@@ -154,32 +155,38 @@ class SequenceModel(nnx.Module):
 
   def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
                   **flags: Any) -> tuple[Array, Any]:
+    shared = start_value_residual(self, x)
     if not self.scan_blocks:
       states = []
       for i, block in enumerate(self.blocks):
-        block_state, x = block.forward(x, mask, reset, None if state is None else state[i], **flags)
+        (block_state, shared), x = block.forward(x, mask, reset, None if state is None else state[i],
+                                                 value_residual=shared, **flags)
         states.append(block_state)
       return x, tuple(states)
 
     @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-    def through(blocks: Any, x: Array, block_state: Any) -> tuple[Array, Any]:
+    def through(blocks: Any, carry: tuple[Array, Any], block_state: Any) -> tuple[Any, Any]:
+      x, shared = carry
       if not isinstance(blocks, nnx.List):
-        block_state, x = blocks.forward(x, mask, reset, block_state, **flags)
-        return x, block_state
+        (block_state, shared), x = blocks.forward(x, mask, reset, block_state, value_residual=shared,
+                                                  **flags)
+        return (x, shared), block_state
       states = []
       for j, block in enumerate(blocks):
-        state_j, x = block.forward(x, mask, reset, None if block_state is None else block_state[j],
-                                   **flags)
+        (state_j, shared), x = block.forward(
+            x, mask, reset, None if block_state is None else block_state[j], value_residual=shared,
+            **flags)
         states.append(state_j)
-      return x, tuple(states)
+      return (x, shared), tuple(states)
 
     if callable(self.layer):
-      return through(self.blocks, x, state)
+      (x, _), state = through(self.blocks, (x, shared), state)
+      return x, state
     state = (None, None) if state is None else state
-    x, repeated = through(self.blocks, x, state[0])
+    (x, shared), repeated = through(self.blocks, (x, shared), state[0])
     tail = ()
     if self.tail is not None:
-      x, tail = through(self.tail, x, state[1])
+      (x, _), tail = through(self.tail, (x, shared), state[1])
     return x, (repeated, tail)
 
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
