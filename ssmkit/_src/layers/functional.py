@@ -12,12 +12,12 @@ A layer's file provides, for any `cfg` object with the layer's configuration att
 - `step(cfg, params, state, x_t, reset) -> (state, y_t)`, on checked inputs and state.
 - `initialize_state(cfg, input_shape) -> state`.
 
+and its linen module: a `LinenLayer` subclass with the configuration as dataclass fields.
+The NNX front end (`ssmkit.nnx`) is made from the linen module, so both compute the same.
+
 A layer that takes part in the value residual (RWKV-7) also gives `value_width`; its `sequence`
 then takes a `ValueResidual` as `value_residual` and returns `(y, final_state, value_residual)`,
 and its `step` takes it last and returns `(state, y_t, value_residual)`.
-
-and its linen module: a `LinenLayer` subclass with the configuration as dataclass fields.
-The NNX front end (`ssmkit.nnx`) is made from the linen module, so both compute the same.
 """
 
 from __future__ import annotations
