@@ -196,7 +196,7 @@ def retrace(qa_tm1, qa_t, expected_q_t, c_t, r_t, discount_t, truncated=None, fi
   return out - np.asarray(qa_tm1, np.float64)
 
 
-def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, a_t, b_t, reset_t):
+def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, a_t, b_t, reset_t, exclusive=False):
   """One step of `matrix_state` for `(..., H, K)` rows q_t, k_t, `(..., H, V)` v_t; a delta
   product's k_t, v_t, beta_t have an axis of n sub-steps before the heads."""
   state = xp.where(reset_t[..., None, None, None], 0.0, state)
@@ -206,7 +206,10 @@ def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, a_t, b_t, reset_t)
     state = decay * state + b_t[..., :, None] * read[..., None, :]
     state = state + k_t[..., :, None] * v_t[..., None, :]
   elif beta_t is None:
-    state = decay * state + k_t[..., :, None] * v_t[..., None, :]
+    state = decay * state
+    if exclusive:  # read before the write
+      return state + k_t[..., :, None] * v_t[..., None, :], xp.einsum("...k,...kv->...v", q_t, state)
+    state = state + k_t[..., :, None] * v_t[..., None, :]
   else:
     state = decay * state
     products = k_t.ndim > q_t.ndim
@@ -219,7 +222,7 @@ def _matrix_state_step(xp, state, q_t, k_t, v_t, g_t, beta_t, a_t, b_t, reset_t)
 
 
 def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None, a=None,
-                 b=None):
+                 b=None, exclusive=False):
   """Linear attention, the gated delta rule, its products or the generalized delta rule, one
   step at a time in float64.
 
@@ -227,8 +230,8 @@ def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=N
   linear attention S_t = exp(g_t) S_{t-1} + k_t^T v_t; delta rule (beta given)
   S_t = (I - beta_t k_t^T k_t) exp(g_t) S_{t-1} + beta_t k_t^T v_t; delta product (k
   `(..., T, n, H, K)`): the decay, then n delta-rule steps per token; generalized delta rule
-  (a, b given) S_t = exp(g_t) S_{t-1} + b_t^T (a_t S_{t-1}) + k_t^T v_t; o_t = q_t S_t.
-  `log_decay` is None, `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S);
+  (a, b given) S_t = exp(g_t) S_{t-1} + b_t^T (a_t S_{t-1}) + k_t^T v_t; o_t = q_t S_t, or
+  with `exclusive` (linear attention) o_t = q_t exp(g_t) S_{t-1}. `log_decay` is None, `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S);
   `reset` `(..., T)` zeroes S before step t. Returns `(o, S_T)`.
   """
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -245,12 +248,12 @@ def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=N
     g_t = g[..., t, :, :] if g.ndim == q.ndim else g[..., t, :]
     state, out[..., t, :, :] = _matrix_state_step(
         np, state, q[..., t, :, :], at(k, t), at(v, t), g_t, at(beta, t), at(a, t), at(b, t),
-        reset[..., t])
+        reset[..., t], exclusive)
   return out, state
 
 
 def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, reset=None,
-                      a=None, b=None):
+                      a=None, b=None, exclusive=False):
   """`matrix_state` as a `jax.lax.scan` in the inputs' dtype, to differentiate with JAX."""
   import jax
   import jax.numpy as jnp
@@ -263,7 +266,7 @@ def matrix_state_scan(q, k, v, log_decay=None, beta=None, initial_state=None, re
   reset = np.zeros(q.shape[:-2], bool) if reset is None else reset
   xs = (time(q), time(k), time(v), time(g), time(beta), time(a), time(b),
         jnp.moveaxis(jnp.asarray(reset), -1, 0))
-  final, out = jax.lax.scan(lambda s, x: _matrix_state_step(jnp, s, *x), state, xs)
+  final, out = jax.lax.scan(lambda s, x: _matrix_state_step(jnp, s, *x, exclusive), state, xs)
   return jnp.moveaxis(out, 0, q.ndim - 3), final
 
 

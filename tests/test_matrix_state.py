@@ -28,6 +28,10 @@ KINDS = [
     ("kda", "delta", "key"),
     ("rwkv7", "dplr", "key"),
     ("gated-deltaproduct", "product", "head"),
+    # linear attention reading the state before each step's write
+    ("linear-exclusive", "exclusive", None),
+    ("ssd-exclusive", "exclusive", "head"),
+    ("gla-exclusive", "exclusive", "key"),
 ]
 KIND_IDS = [k[0] for k in KINDS]
 MODES = ["sequential", "chunked", "parallel", "auto"]
@@ -74,8 +78,9 @@ def _call(kind, x, **kwargs):
   """The function under test for `kind` on the inputs `x` (a dict of `_inputs`)."""
   kwargs.update(initial_state=x["initial_state"], reset=x["reset"])
   match kind[1]:
-    case "linear":
-      return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], **kwargs)
+    case "linear" | "exclusive":
+      return linear_attention(x["q"], x["k"], x["v"], x["log_decay"],
+                              exclusive=kind[1] == "exclusive", **kwargs)
     case "delta":
       return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], **kwargs)
     case "product":
@@ -85,10 +90,10 @@ def _call(kind, x, **kwargs):
                                     **kwargs)
 
 
-def _reference(x, differentiable=False):
+def _reference(kind, x, differentiable=False):
   loop = references.matrix_state_scan if differentiable else references.matrix_state
   return loop(x["q"], x["k"], x["v"], x["log_decay"], x["beta"], x["initial_state"], x["reset"],
-              x["a"], x["b"])
+              x["a"], x["b"], exclusive=kind[1] == "exclusive")
 
 
 def _assert_close(actual, expected, tol):
@@ -116,7 +121,7 @@ def test_every_mode_matches_float64_loop(kind, mode):
   for i, length in enumerate(LENGTHS):
     x = _inputs(rng, kind, batches[i % len(batches)], length)
     out, final = _jitted(kind, mode, _chunk(mode))(x)
-    expected, expected_final = _reference(x)
+    expected, expected_final = _reference(kind, x)
     assert out.dtype == jnp.float64 and final.dtype == jnp.float64
     chex.assert_shape(out, (*x["q"].shape[:-1], x["v"].shape[-1]))
     _assert_close(out, expected, TOL64)
@@ -129,7 +134,7 @@ def test_resets_at_chunk_edges_and_inside_chunks(kind):
   x = _inputs(rng, kind, (2,), 70, reset_rate=0.0)
   x["reset"][0, [0, 15, 16, 17, 32, 69]] = True  # first step, chunk edges, inside chunks
   x["reset"][1, [5, 6, 47]] = True
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   for mode in ("chunked", "parallel"):
     out, final = _jitted(kind, mode, CHUNK)(x)
     _assert_close(out, expected, TOL64)
@@ -186,7 +191,7 @@ def _poisoned(kind, name, length, bad, resets):
 @pytest.mark.parametrize("kind, name", NON_FINITE_CASES, ids=NON_FINITE_IDS)
 def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
   x = _poisoned(kind, name, 20, bad=(3, 10), resets=(6, 13))
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   for mode, chunk in LAYOUTS[:-1]:
     out, final = _jitted(kind, mode, chunk)(x)
     finite = np.isfinite(expected)
@@ -204,7 +209,7 @@ def test_delta_product_with_one_decay_per_key_reads_only_its_tokens_last_steps()
   x = _inputs(np.random.default_rng(9), kind, (2,), 37)
   x["reset"][1, 20] = True
   x["k"][1, 18, 1, 0] = np.nan
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   for mode in ("chunked", "parallel"):
     out, final = _jitted(kind, mode, CHUNK)(x)
     np.testing.assert_array_equal(np.isfinite(out), np.isfinite(expected))
@@ -221,7 +226,7 @@ def _tail_gradient(kind, mode, chunk_size, start):
   def loss(floats, reset):
     x = dict(dict.fromkeys(("log_decay", "beta", "a", "b")), **floats, reset=reset)
     if mode is None:
-      out, final = _reference(x, differentiable=True)
+      out, final = _reference(kind, x, differentiable=True)
     else:
       out, final = _call(kind, x, mode=mode, chunk_size=chunk_size, return_final_state=True)
     return jnp.sum(jnp.sin(out[start:])) + jnp.sum(final**2)
@@ -265,8 +270,11 @@ def _loss(f, names):
   return loss
 
 
-def _reference_scan(x):
-  return _reference(x, differentiable=True)
+@functools.cache
+def _reference_scan(kind):
+  """The differentiable float64 loop of `kind`, one function per kind (`_derivatives` caches by
+  function)."""
+  return functools.partial(_reference, kind, differentiable=True)
 
 
 @functools.cache
@@ -293,7 +301,7 @@ def _check_gradients_and_jvp(kind, x, tol, modes=(("sequential", 8), ("chunked",
   tangents = tuple(rng.normal(size=np.shape(v)).astype(v.dtype) for v in values)
   as64 = lambda tree: jax.tree.map(
       lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, tree)
-  grad, jvp = _derivatives(_reference_scan, names)
+  grad, jvp = _derivatives(_reference_scan(kind), names)
   expected, expected_jvp = grad(as64(values), as64(x)), jvp(as64(values), as64(tangents), as64(x))
   # On CPU, "auto" computes values step by step and derivatives chunked (70 >= 64 steps).
   for mode, chunk in modes:
@@ -320,7 +328,7 @@ def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
   x = _inputs(np.random.default_rng(21), kind, (2,), 70, decay=(47.0, 50.0))
   x = {n: v if v is None or n == "reset" else v.astype(dtype) for n, v in x.items()}
   tol = 1e-8 if dtype == np.float64 else 1e-4
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   for mode in MODES:
     out, final = _jitted(kind, mode, _chunk(mode))(x)
     assert out.dtype == dtype
@@ -339,7 +347,7 @@ def test_one_batch_row_takes_groups_of_heads_as_batch_rows(kind):
   against the float64 loop."""
   assert chunks.head_groups(1, 6) == 2
   x = _inputs(np.random.default_rng(13), kind, (), 37, heads=6)
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   for mode in ("chunked", "parallel"):
     out, final = _jitted(kind, mode, 8)(x)
     _assert_close(out, expected, TOL64)
@@ -357,7 +365,7 @@ def test_per_key_decays_take_each_path_of_the_chunk_scores(kind):
   past the limit over a chunk, or over a block too)."""
   for decay in ((0.0, 1.0), (8.0, 12.0), (61.0, 64.0)):
     x = _inputs(np.random.default_rng(22), kind, (), 70, decay=decay)
-    expected, expected_final = _reference(x)
+    expected, expected_final = _reference(kind, x)
     out, final = _jitted(kind, "chunked", 64)(x)
     _assert_close(out, expected, TOL64)
     _assert_close(final, expected_final, TOL64)
@@ -373,7 +381,7 @@ def test_the_pairwise_form_over_groups_of_chunks_equals_the_loop(kind, monkeypat
   assert chunks._pairwise_group((1, heads, 9, 8, dim_k)) == 3
   out, final = jax.jit(functools.partial(_call, kind, mode="parallel", chunk_size=8,
                                          return_final_state=True))(x)
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   _assert_close(out, expected, TOL64)
   _assert_close(final, expected_final, TOL64)
 
@@ -392,7 +400,7 @@ def test_jacfwd_and_hessian_vector_products_work():
   rng = np.random.default_rng(13)
   x = _inputs(rng, KINDS[4], (), 9, heads=1, dim_k=2, dim_v=2)
   f = lambda v: _jitted(KINDS[4], "chunked", 4)(dict(x, v=v))[0]
-  reference = lambda v: _reference(dict(x, v=v), differentiable=True)[0]
+  reference = lambda v: _reference(KINDS[4], dict(x, v=v), differentiable=True)[0]
   _assert_close(jax.jacfwd(f)(x["v"]), jax.jacfwd(reference)(x["v"]), 1e-9)
   loss = lambda v: jnp.sum(jnp.sin(f(v)))
   tangent = rng.normal(size=x["v"].shape)
@@ -406,7 +414,7 @@ def test_streaming_in_pieces_equals_one_pass(kind):
   """Pieces of 23, 1, 1, 80 and 5 steps, each from the state the last one left."""
   rng = np.random.default_rng(14)
   x = _inputs(rng, kind, (2,), 110)
-  expected, expected_final = _reference(x)
+  expected, expected_final = _reference(kind, x)
   state, outs, start = x["initial_state"], [], 0
   for length in (23, 1, 1, 80, 5):
     piece = {n: None if x[n] is None or n == "initial_state" else x[n][:, start:start + length]
@@ -439,7 +447,7 @@ def test_bfloat16_inputs_accumulate_in_float32(kind):
   low = {n: None if x[n] is None or n == "reset" else jnp.asarray(x[n], jnp.bfloat16) for n in x}
   low["reset"] = x["reset"]
   exact = {n: x[n] if n == "reset" or x[n] is None else np.asarray(low[n], np.float64) for n in x}
-  expected, expected_final = _reference(exact)
+  expected, expected_final = _reference(kind, exact)
   for mode in ("sequential", "chunked"):
     out, final = _jitted(kind, mode, 64)(low)
     assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32

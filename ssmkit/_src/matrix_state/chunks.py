@@ -329,3 +329,10 @@ def poisoned(bad: Array, reset: Array) -> Array:
   last_bad = lax.cummax(jnp.where(bad, position, -1), axis=3)
   last_reset = lax.cummax(jnp.where(reset, position, -1), axis=3)
   return (last_bad >= 0) & (last_bad >= last_reset)
+
+
+def poisoned_before(bad: Array, reset: Array) -> Array:
+  """Steps whose state before their own write a non-finite input has reached within the chunk:
+  some bad step s < t with no reset in (s, t] (`poisoned`'s flags one step on)."""
+  after = poisoned(bad, reset)
+  return jnp.concatenate([jnp.zeros_like(after[..., :1]), after[..., :-1]], axis=3) & ~reset

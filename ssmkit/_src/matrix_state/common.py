@@ -67,6 +67,7 @@ def read_out(
     reset: Array | None,
     precision,
     read_every: int = 1,
+    reached: Array | None = None,
 ) -> tuple[state_pass.Maps, Callable[[Array], Array]]:
   """The chunks' maps and outputs, from what each recurrence computes inside its chunks.
 
@@ -83,6 +84,8 @@ def read_out(
     precision: matmul precision.
     read_every: r; only steps r - 1, 2r - 1, ... of each chunk are read (R = C / r), the
       other steps' outputs are zero.
+    reached: `(Z, H, n, C)` the steps whose outputs a non-finite input reaches, where not
+      the steps whose state it reaches (a read before the step's own write); None: those.
 
   Returns:
     The chunks' maps, and a function from the `(Z, H, n, K, V)` states entering the
@@ -93,7 +96,9 @@ def read_out(
     u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
   maps = state_pass.Maps(a, u, seg.cut)
   first = chunks.read_rows(seg.first, read_every)
-  nan_out = bad_query if poisoned is None else bad_query | chunks.read_rows(poisoned, read_every)
+  if reached is None:
+    reached = poisoned
+  nan_out = bad_query if reached is None else bad_query | chunks.read_rows(reached, read_every)
 
   def outputs(entering: Array) -> Array:
     # A non-finite entering state is zeroed before the product and the outputs that read it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 import jax
@@ -33,35 +34,62 @@ def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   return jnp.moveaxis(out, 0, 1), final
 
 
-def _chunk_maps(c: chunks.Chunks, precision):
-  """The chunks' maps S -> a S + u and a function from entering states to outputs."""
+def _exclusive_sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
+  """`_sequential` with each step reading the state before its own write, exp(g_t) q_t S_{t-1}.
+
+  Step t reads the state after its write with step t + 1's query, and the reads move one step
+  on: a step that reads its state before updating it ran 1.6 times as long on CPU (B=2 T=4096
+  H=4 K=V=64), its update no longer fused with the read.
+  """
+  g = x.log_decay
+  q = x.q if g is None else x.q * jnp.exp(g if g.ndim == 4 else g[..., None])
+  q = chunks.masked(q, None if x.reset is None else ~x.reset)  # a reset's step reads nothing
+  ahead = jnp.concatenate([q[:, 1:], jnp.zeros_like(q[:, :1])], axis=1)
+  out, final = _sequential(x._replace(q=ahead), size, precision)
+  first = jnp.einsum("zhk,zhkv->zhv", q[:, 0], x.state, precision=precision)
+  out = jnp.concatenate([first[:, None].astype(out.dtype), out[:, :-1]], axis=1)
+  # By selection: the read of a NaN state before a reset stays out, values and gradients.
+  return chunks.masked(out, None if x.reset is None else ~x.reset), final
+
+
+def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False):
+  """The chunks' maps S -> a S + u and a function from entering states to outputs (which
+  read the state before each step's own write when `exclusive`)."""
   q, k, v, g, reset = c.q, c.k, c.v, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
+  mask = seg.strict if exclusive else seg.causal
   (q,), bad_query = common.sanitize((q,))
-  bad = None
+  bad = reached = None
   if reset is not None:
-    (k, v, g), bad = common.sanitize((k, v, g))
+    (k, v), bad = common.sanitize((k, v))
+    (g,), bad_decay = common.sanitize((g,))
+    if bad_decay is not None:
+      bad = bad | bad_decay
+    if exclusive:  # a step's read comes after its decay, before its write
+      reached = chunks.poisoned_before(bad, reset)
+      if bad_decay is not None:
+        reached = reached | (bad_decay & ~reset)
   scores = jnp.einsum("zhncd,zhnsd->zhncs", q, k, precision=precision)
   if g is None:
-    weights = jnp.where(seg.causal, scores, 0)
+    weights = jnp.where(mask, scores, 0)
     q_in, k_out = q, k
     a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
   else:
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
     if g.ndim == 4:
-      weights = scores * chunks.pairwise_decay(b, seg.causal)
+      weights = scores * chunks.pairwise_decay(b, mask)
       q_in = q * jnp.exp(b)[..., None]
       k_out = k * jnp.exp(total[..., None] - b)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      weights = jnp.where(seg.causal, chunks.per_key_scores((q,), (k,), b, b, precision)[0][0], 0)
+      weights = jnp.where(mask, chunks.per_key_scores((q,), (k,), b, b, precision)[0][0], 0)
       q_in = q * jnp.exp(b)
       k_out = k * jnp.exp(total[:, :, :, None] - b)
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
   u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
-  return common.read_out(a, u, q_in, intra, seg, bad, bad_query, reset, precision)
+  return common.read_out(a, u, q_in, intra, seg, bad, bad_query, reset, precision, reached=reached)
 
 
 def linear_attention(
@@ -78,6 +106,7 @@ def linear_attention(
     axis_name: Hashable | None = None,
     precision: lax.PrecisionLike = None,
     check_log_decay: bool = True,
+    exclusive: bool = False,
 ):
   """Linear attention with a decaying matrix state, the recurrence of SSD, RetNet and GLA.
 
@@ -126,6 +155,8 @@ def linear_attention(
     check_log_decay: refuse a positive or non-finite `log_decay` whose values are known at
       trace time (outside `jit`). Code that computes the decays from its own inputs (the
       layers) passes False, so that a NaN input flows through eagerly as under `jit`.
+    exclusive: each step reads the state before its own write, o_t = exp(g_t) q_t S_{t-1}
+      (the write never enters its own step's output, so nothing is added and taken back).
 
   Returns:
     `o` `(..., T, H, V)` in the inputs' promoted dtype (an `initial_state` wider than
@@ -155,6 +186,7 @@ def linear_attention(
   mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
-  return common.evaluate(x, _sequential, _chunk_maps, matrix=False, mode=mode,
+  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
+                         functools.partial(_chunk_maps, exclusive=exclusive), matrix=False, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state)

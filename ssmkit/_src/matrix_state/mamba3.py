@@ -192,6 +192,59 @@ def _after_previous(x: Array, first: Array, axis: int, axis_name: Hashable | Non
                           lax.slice_in_dim(x, 0, x.shape[axis] - 1, axis=axis)], axis)
 
 
+def _pairs(a: Array, b: Array, w: Array, mimo: bool, precision) -> Array:
+  """The products of a token's rows of `a` and `b`, weighted per token by `w` `(..., T, H)`:
+  `(..., T, H)`, or `(..., T, H, R, R)` with R ranks."""
+  row, col = ("r", "s") if mimo else ("", "")
+  return jnp.einsum(f"...{row}hn,...{col}hn->...h{row}{col}", a, b, precision=precision,
+                    preferred_element_type=w.dtype) * w[(...,) + (None,) * (2 * mimo)]
+
+
+def _mix(w: Array, x: Array, mimo: bool, precision) -> Array:
+  """Each token's rows of `x` combined by `w` as `_pairs` makes it."""
+  row, col = ("r", "s") if mimo else ("", "")
+  return jnp.einsum(f"...h{row}{col},...{col}hp->...{row}hp", w, x.astype(w.dtype),
+                    precision=precision)
+
+
+def _mimo_reads(q: Array, k: Array, v: Array, log_decay: Array, share: Array, reset: Array | None,
+                entry: Array, time: int, axis_name: Hashable | None, options: dict
+                ) -> tuple[Array, Array | None]:
+  """Each MIMO row's read of the state before its token's writes, exp(log_decay_t) q_{t,r}
+  S_{t-1}, and the final state (None unless `options` asks for it); `share` `(..., T, H)`
+  weighs each token's keys.
+
+  A token's R rows are R interleaved steps of `linear_attention`, the decay at the first. Step
+  (t, r) holds the next token's query of row r, so it reads the state after token t's rows
+  up to r; the rows after r are added and the reads shifted back by one token. No row reads
+  a write of its own token: nothing is added and taken back.
+  """
+  ranks, precision = q.shape[time + 1], options["precision"]
+  reading = jnp.exp(log_decay.astype(share.dtype))[..., None, :, None] * q
+  if reset is not None:  # nothing earlier to read (by selection, so that a NaN before the
+    # reset meets no product on its way back)
+    reading = chunks.masked(reading, ~reset)
+  ahead = _next_step(reading, time, axis_name)
+  steps = lambda x: interleave(x, ranks, time)
+  out = linear_attention(
+      steps(ahead), steps(share[..., None, :, None] * k), steps(v),
+      at_step(log_decay, ranks, 0, time), initial_state=entry,
+      reset=None if reset is None else at_step(reset, ranks, 0, time), **options)
+  read, final = out if options["return_final_state"] else (out, None)
+  read = read.reshape(v.shape)
+  if ranks > 1:
+    upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1)
+    read = read + _mix(jnp.where(upper, _pairs(ahead, k, share, True, precision), 0), v, True,
+                       precision)
+  if read.shape[time]:
+    first = lax.index_in_dim(reading, 0, time, keepdims=False)
+    before = jnp.einsum("...rhn,...hnp->...rhp", first, entry, precision=precision)
+    read = _after_previous(read, before, time, axis_name)
+    if reset is not None:
+      read = chunks.masked(read, ~reset)
+  return read, final
+
+
 def mamba3(
     q,
     k,
@@ -226,11 +279,13 @@ def mamba3(
   `reset` starts a new sequence: S, theta and the previous token are dropped.
 
   This is `linear_attention` with each token's key scaled by lambda_t dt_t plus the next
-  token's (1 - lambda_{t+1}) dt_{t+1} and each token's state read by the next token's query
-  (no token reads its own write, which would cancel in float32), plus each token's own
-  current share and, with R ranks, the rows' writes to each other; so every mode, streaming
-  and `axis_name` work as there (the next token's share and query, the previous token's read
-  and the last token's key and value cross devices by `ppermute` and `psum`). The D skip,
+  token's (1 - lambda_{t+1}) dt_{t+1} and each token reading the state before its own write
+  (`exclusive`; with R ranks, each token's state read by the next token's query), so no token
+  reads its own write, which would have to be taken back and cancel in float32; plus each
+  token's own current share and, with R ranks, the rows' writes to each other. So every
+  mode, streaming and `axis_name` work as there (the next token's share, with R ranks the
+  next token's query and the previous token's read, and the last token's key and value cross
+  devices by `ppermute` and `psum`). The D skip,
   gates and projections are the layer's (`ssmkit.layers.Mamba3`).
 
   Args:
@@ -284,8 +339,8 @@ def mamba3(
   # MIMO's ranks are an axis after time; one rank has none: a unit axis made XLA's CPU
   # reductions in the gradient (multiply and sum over N) 60 times slower.
   rank_axis = (time + 1,) if mimo else ()
-  row, col = ("r", "s") if mimo else ("", "")  # einsum letters of the rank axes
-  ranks, length = (q.shape[time + 1] if mimo else 1), q.shape[time]
+  row = "r" if mimo else ""  # einsum letter of the rank axis
+  length = q.shape[time]
   out_dtype = jnp.result_type(q, k, v)
   dtype = accumulation_dtype(jnp.result_type(q, k, v, log_decay, step_size, trapezoid))
   heads = log_decay.shape
@@ -296,7 +351,6 @@ def mamba3(
     start = Mamba3State(zeros(*heads[:-2], heads[-1], q.shape[-1], v.shape[-1]),
                         zeros(*heads[:-2], heads[-1], s), zeros(*q.shape[:time], *q.shape[time + 1:]),
                         zeros(*v.shape[:time], *v.shape[time + 1:]))
-  by_rank = lambda x: jnp.expand_dims(x, rank_axis)[..., None]  # (..., T, H) -> (..., T, [1,] H, 1)
 
   angle = start.angle
   if angle_rate is not None and length:
@@ -307,12 +361,8 @@ def mamba3(
 
   now = (trapezoid * step_size).astype(dtype)
   previous = ((1 - trapezoid) * step_size).astype(dtype)
-  # Token t reads S_{t-1} decayed: q_t exp(log_decay_t), or nothing after a reset.
-  reading = by_rank(jnp.exp(log_decay.astype(dtype))) * q
-  if reset is not None:  # no previous token to write, nothing earlier to read (by selection,
-    # so that a NaN before the reset meets no product on its way back)
+  if reset is not None:  # no previous token to write after a reset
     previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
-    reading = chunks.masked(reading, ~reset)
   later = _next_step(previous, time, axis_name)  # the share of each token the next one writes
   prior = jnp.einsum(f"...{row}hn,...{row}hp->...hnp", start.key, start.value)
   entry = start.state
@@ -322,33 +372,20 @@ def mamba3(
       prior, entry = (jnp.where(first(reset)[..., None, None, None], jnp.zeros_like(x), x)
                       for x in (prior, entry))
     entry = entry + first(previous)[..., None, None] * prior
-  # Token t + 1's query reads S_t, so that no token reads its own write and the next token's
-  # share of it (which would then have to be taken back, cancelling in float32).
-  ahead = _next_step(reading, time, axis_name)
-  steps = (lambda x: interleave(x, ranks, time)) if mimo else (lambda x: x)
-  first_step = (lambda x: at_step(x, ranks, 0, time)) if mimo else (lambda x: x)
-  out = linear_attention(
-      steps(ahead), steps(by_rank(now + later) * k), steps(v), first_step(log_decay),
-      initial_state=entry, reset=first_step(reset), mode=mode, chunk_size=chunk_size,
-      return_final_state=return_final_state, axis_name=axis_name, precision=precision,
-      check_log_decay=False)
-  read, final = out if return_final_state else (out, None)
-  read = read.reshape(v.shape)
-  # (..., T, H[, R, R]): the products of a token's rows, weighted per token
-  pairs = lambda a, b, w: jnp.einsum(f"...{row}hn,...{col}hn->...h{row}{col}", a, b, precision=precision,
-                                     preferred_element_type=dtype) * w[(...,) + (None,) * (2 * mimo)]
-  mix = lambda w, x: jnp.einsum(f"...h{row}{col},...{col}hp->...{row}hp", w, x.astype(dtype),
-                                precision=precision)
-  if ranks > 1:  # interleaved, the read of row r came before the writes of rows > r
-    upper = jnp.triu(jnp.ones((ranks, ranks), bool), 1)
-    read = read + mix(jnp.where(upper, pairs(ahead, k, now + later), 0), v)
-  if length:
-    before = jnp.einsum(f"...{row}hn,...hnp->...{row}hp", first(reading), entry, precision=precision)
-    read = _after_previous(read, before, time, axis_name)
-    if reset is not None:
-      read = chunks.masked(read, ~reset)
+  options = dict(mode=mode, chunk_size=chunk_size, return_final_state=return_final_state,
+                 axis_name=axis_name, precision=precision, check_log_decay=False)
+  if mimo:
+    read, final = _mimo_reads(q, k, v, log_decay, now + later, reset, entry, time, axis_name,
+                              options)
+  else:
+    # Token t reads the state before its own write, exp(log_decay_t) q_t S_{t-1}, so that no
+    # token reads its own write and the next token's share of it (which would then have to
+    # be taken back, cancelling in float32).
+    out = linear_attention(q, (now + later)[..., None] * k, v, log_decay, initial_state=entry,
+                           reset=reset, exclusive=True, **options)
+    read, final = out if return_final_state else (out, None)
   # Each token's own write, its current share.
-  o = (read + mix(pairs(q, k, now), v)).astype(out_dtype)
+  o = (read + _mix(_pairs(q, k, now, mimo, precision), v, mimo, precision)).astype(out_dtype)
   if not return_final_state:
     return o
   key, value = start.key, start.value
