@@ -231,8 +231,9 @@ def matrix_state(q, k, v, log_decay=None, beta=None, initial_state=None, reset=N
   S_t = (I - beta_t k_t^T k_t) exp(g_t) S_{t-1} + beta_t k_t^T v_t; delta product (k
   `(..., T, n, H, K)`): the decay, then n delta-rule steps per token; generalized delta rule
   (a, b given) S_t = exp(g_t) S_{t-1} + b_t^T (a_t S_{t-1}) + k_t^T v_t; o_t = q_t S_t, or
-  with `exclusive` (linear attention) o_t = q_t exp(g_t) S_{t-1}. `log_decay` is None, `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S);
-  `reset` `(..., T)` zeroes S before step t. Returns `(o, S_T)`.
+  with `exclusive` (linear attention) o_t = q_t exp(g_t) S_{t-1}. `log_decay` is None,
+  `(..., T, H)` or `(..., T, H, K)` (one decay per key row of S); `reset` `(..., T)` zeroes S
+  before step t. Returns `(o, S_T)`.
   """
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   batch, length, heads, dim_k = q.shape[:-3], q.shape[-3], q.shape[-2], q.shape[-1]

@@ -28,7 +28,9 @@ KINDS = [
     ("kda", "delta", "key"),
     ("rwkv7", "dplr", "key"),
     ("gated-deltaproduct", "product", "head"),
-    # linear attention reading the state before each step's write
+    # linear attention with write strengths beta ("written"), and reading the state before
+    # each step's write ("exclusive", with write strengths)
+    ("ssd-written", "written", "head"),
     ("linear-exclusive", "exclusive", None),
     ("ssd-exclusive", "exclusive", "head"),
     ("gla-exclusive", "exclusive", "key"),
@@ -41,6 +43,7 @@ TOL64 = 1e-8
 
 
 PRODUCTS = 2  # delta-rule steps per token of the delta product
+WRITE_STRENGTHS = ("delta", "product", "written", "exclusive")  # the functions given beta
 
 
 def _unit(x):
@@ -65,8 +68,7 @@ def _inputs(rng, kind, batch, length, heads=2, dim_k=5, dim_v=3, reset_rate=0.1,
   dplr = function == "dplr"
   return dict(
       q=q, k=k, v=v, log_decay=g,
-      beta=rng.uniform(0.0, 1.0, steps) if function in ("delta", "product")
-      else None,
+      beta=rng.uniform(0.0, 1.0, steps) if function in WRITE_STRENGTHS else None,
       a=-kappa if dplr else None,
       b=kappa * rng.uniform(0.0, 1.0, kappa.shape) if dplr else None,
       initial_state=rng.normal(size=(*batch, heads, dim_k, dim_v)),
@@ -78,8 +80,8 @@ def _call(kind, x, **kwargs):
   """The function under test for `kind` on the inputs `x` (a dict of `_inputs`)."""
   kwargs.update(initial_state=x["initial_state"], reset=x["reset"])
   match kind[1]:
-    case "linear" | "exclusive":
-      return linear_attention(x["q"], x["k"], x["v"], x["log_decay"],
+    case "linear" | "written" | "exclusive":
+      return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], beta=x["beta"],
                               exclusive=kind[1] == "exclusive", **kwargs)
     case "delta":
       return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], **kwargs)
@@ -92,7 +94,10 @@ def _call(kind, x, **kwargs):
 
 def _reference(kind, x, differentiable=False):
   loop = references.matrix_state_scan if differentiable else references.matrix_state
-  return loop(x["q"], x["k"], x["v"], x["log_decay"], x["beta"], x["initial_state"], x["reset"],
+  k, beta = x["k"], x["beta"]
+  if kind[1] in ("written", "exclusive"):  # linear attention writes beta_t k_t^T v_t
+    k, beta = k * beta[..., None], None
+  return loop(x["q"], k, x["v"], x["log_decay"], beta, x["initial_state"], x["reset"],
               x["a"], x["b"], exclusive=kind[1] == "exclusive")
 
 
@@ -164,7 +169,7 @@ NON_FINITE_CASES = [
     (kind, name)
     for kind in KINDS
     for name in ("q", "k", "v", "log_decay", "beta", "a", "b", "initial_state")
-    if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1] in ("delta", "product"))
+    if (name != "log_decay" or kind[2]) and (name != "beta" or kind[1] in WRITE_STRENGTHS)
     and (name not in ("a", "b") or kind[1] == "dplr")
 ]
 NON_FINITE_IDS = [f"{k[0]}-{n}" for k, n in NON_FINITE_CASES]

@@ -28,7 +28,7 @@ class Inputs(NamedTuple):
     q, k: `(Z, T, H, K)` queries and keys.
     v: `(Z, T, H, V)` values.
     log_decay: None, `(Z, T, H)` (one decay per head) or `(Z, T, H, K)` (one per key).
-    beta: None (linear attention) or `(Z, T, H)` write strengths (delta rule).
+    beta: None or `(Z, T, H)` write strengths.
     a, b: None, or `(Z, T, H, K)` the vectors that read and write the state
       (`generalized_delta_rule`).
     state: `(Z, H, K, V)` state before the first step.
@@ -88,8 +88,8 @@ def prepare(
   """Checks shapes and dtypes, flattens the batch axes and casts to the accumulation dtype.
 
   Args:
-    q, k, v, log_decay, beta, initial_state, reset, a, b: the public arguments (`beta`
-      None but for the delta rule, `a` and `b` but for the generalized one).
+    q, k, v, log_decay, beta, initial_state, reset, a, b: the public arguments (`a` and `b`
+      None but for the generalized delta rule).
     check_log_decay: whether to refuse a positive or non-finite `log_decay` known at trace
       time.
 

@@ -18,9 +18,12 @@ Array = jax.Array
 
 def _step(precision):
   def step(s, x):
-    q_t, k_t, v_t, g_t, reset_t = x  # (Z, H, K), (Z, H, K), (Z, H, V), (Z, H[, K]), (Z,)
+    # (Z, H, K), (Z, H, K), (Z, H, V), (Z, H[, K]), (Z, H), (Z,)
+    q_t, k_t, v_t, g_t, beta_t, reset_t = x
     if reset_t is not None:
       s = jnp.where(reset_t[:, None, None, None], 0, s)
+    if beta_t is not None:
+      k_t = k_t * beta_t[..., None]
     s = steps.decayed(s, g_t) + k_t[..., :, None] * v_t[..., None, :]
     return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
 
@@ -29,7 +32,7 @@ def _step(precision):
 
 def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
-             for a in (x.q, x.k, x.v, x.log_decay, x.reset))
+             for a in (x.q, x.k, x.v, x.log_decay, x.beta, x.reset))
   out, final = steps.run(_step(precision), xs, x.state, size)
   return jnp.moveaxis(out, 0, 1), final
 
@@ -56,12 +59,14 @@ def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False):
   """The chunks' maps S -> a S + u and a function from entering states to outputs (which
   read the state before each step's own write when `exclusive`)."""
   q, k, v, g, reset = c.q, c.k, c.v, c.log_decay, c.reset
+  if c.beta is not None:
+    k = k * c.beta[..., None]
   seg = chunks.segments(reset, q.shape[3])
   mask = seg.strict if exclusive else seg.causal
   (q,), bad_query = common.sanitize((q,))
   bad = reached = None
   if reset is not None:
-    (k, v), bad = common.sanitize((k, v))
+    (k, v), bad = common.sanitize((k, v))  # k carries beta
     (g,), bad_decay = common.sanitize((g,))
     if bad_decay is not None:
       bad = bad | bad_decay
@@ -98,6 +103,7 @@ def linear_attention(
     v,
     log_decay=None,
     *,
+    beta=None,
     initial_state=None,
     reset=None,
     mode: str | Mode = "auto",
@@ -112,11 +118,12 @@ def linear_attention(
 
   Per head, with a `(K, V)` state S, row vectors q_t, k_t `(K,)` and v_t `(V,)`:
 
-    S_t = exp(g_t) * S_{t-1} + k_t^T v_t,    o_t = q_t S_t,
+    S_t = exp(g_t) * S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
 
   where g_t = `log_decay` is one number per head (Mamba-2's SSD, RetNet), one per key
-  channel, scaling the rows of S (GLA), or absent (plain linear attention). No scaling of
-  `q` is implied. `reset[..., t]` clears the state before step t, also in the middle of a
+  channel, scaling the rows of S (GLA), or absent (plain linear attention), and beta_t
+  an optional write strength per head (Mamba-2's dt_t, where it is not folded into B).
+  No scaling of `q` is implied. `reset[..., t]` clears the state before step t, also in the middle of a
   chunk, so packed sequences of different lengths never see each other; inputs are
   selected, never multiplied by zero, so a NaN or Inf before a reset stays before it.
 
@@ -133,6 +140,8 @@ def linear_attention(
     v: `(..., T, H, V)` values.
     log_decay: None, `(..., T, H)` or `(..., T, H, K)`: log of the decay, <= 0 and finite
       (checked where the values are known at trace time).
+    beta: None (1) or `(..., T, H)` write strengths; passing them rather than scaled keys
+      keeps no scaled copy of the keys for the gradient.
     initial_state: `(..., H, K, V)` state before the first step; default zeros.
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential" (one step at a time: the decoding path), "chunked" (the chunkwise
@@ -184,7 +193,7 @@ def linear_attention(
     hardware-efficient training", ICML 2024; Dao & Gu, "Transformers are SSMs", ICML 2024.
   """
   mode = common.check_options(mode, chunk_size, axis_name)
-  x = prepare(q, k, v, log_decay=log_decay, beta=None, initial_state=initial_state,
+  x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
   return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
                          functools.partial(_chunk_maps, exclusive=exclusive), matrix=False, mode=mode,

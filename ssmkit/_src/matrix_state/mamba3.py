@@ -352,6 +352,10 @@ def mamba3(
                         zeros(*heads[:-2], heads[-1], s), zeros(*q.shape[:time], *q.shape[time + 1:]),
                         zeros(*v.shape[:time], *v.shape[time + 1:]))
 
+  now = (trapezoid * step_size).astype(dtype)
+  # A token's own write, its current share, read with its rows unturned: one rotation turns
+  # them all and (R q) . (R k) = q . k, so the turned rows are kept for nothing else.
+  own = _mix(_pairs(q, k, now, mimo, precision), v, mimo, precision)
   angle = start.angle
   if angle_rate is not None and length:
     cos, sin, angle = _cumulative_turns(angle_rate.astype(dtype), start.angle, reset, time,
@@ -359,7 +363,6 @@ def mamba3(
     cos, sin = (jnp.expand_dims(x, rank_axis) for x in (cos, sin))
     q, k = (_turn(x.astype(dtype), cos, sin, rotary) for x in (q, k))
 
-  now = (trapezoid * step_size).astype(dtype)
   previous = ((1 - trapezoid) * step_size).astype(dtype)
   if reset is not None:  # no previous token to write after a reset
     previous = jnp.where(reset[..., None], jnp.zeros_like(previous), previous)
@@ -381,11 +384,10 @@ def mamba3(
     # Token t reads the state before its own write, exp(log_decay_t) q_t S_{t-1}, so that no
     # token reads its own write and the next token's share of it (which would then have to
     # be taken back, cancelling in float32).
-    out = linear_attention(q, (now + later)[..., None] * k, v, log_decay, initial_state=entry,
+    out = linear_attention(q, k, v, log_decay, beta=now + later, initial_state=entry,
                            reset=reset, exclusive=True, **options)
     read, final = out if return_final_state else (out, None)
-  # Each token's own write, its current share.
-  o = (read + _mix(_pairs(q, k, now, mimo, precision), v, mimo, precision)).astype(out_dtype)
+  o = (read + own).astype(out_dtype)
   if not return_final_state:
     return o
   key, value = start.key, start.value
