@@ -41,8 +41,8 @@ def _exclusive_sequential(x: Inputs, size: int | None, precision) -> tuple[Array
   """`_sequential` with each step reading the state before its own write, exp(g_t) q_t S_{t-1}.
 
   Step t reads the state after its write with step t + 1's query, and the reads move one step
-  on: a step that reads its state before updating it ran 1.6 times as long on CPU (B=2 T=4096
-  H=4 K=V=64), its update no longer fused with the read.
+  on: with steps that read their state before updating it, the update no longer fused with
+  the read, Mamba-3's forward took 41.6 ms against 34.5 (B=2 T=4096 H=4 K=V=64, CPU).
   """
   g = x.log_decay
   q = x.q if g is None else x.q * jnp.exp(g if g.ndim == 4 else g[..., None])
