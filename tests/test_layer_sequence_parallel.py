@@ -173,9 +173,11 @@ MODELS = {
                       mlp="swiglu", num_blocks=3, scan_blocks=True,
                       layer=(_partial(layers.RGLRU, num_heads=2, d_conv=3),
                              _partial(layers.Attention, num_heads=2, head_dim=4, window=7))),
-    # A classifier over real inputs, pooled over the real steps of every device.
-    "last-pooled": dict(num_outputs=3, pooling="last", num_blocks=1, norm="batch",
-                        layer=_partial(layers.GatedDeltaNet, num_heads=2, d_conv=3)),
+    # A classifier over real inputs, pooled over the real steps of every device; the first
+    # RWKV7 block's values pass over the Gated DeltaNet block to the third.
+    "last-pooled": dict(num_outputs=3, pooling="last", num_blocks=3, norm="batch",
+                        layer=(_partial(layers.RWKV7, head_dim=4),
+                               _partial(layers.GatedDeltaNet, num_heads=2, d_conv=3))),
 }
 
 
