@@ -163,7 +163,9 @@ class SequenceModel(nn.Module):
   `layer` is one layer factory, or a pattern of them cycled over the blocks: Griffin's
   `[rglru, rglru, local_attention]` puts attention in every third block (26 blocks: 8 whole
   patterns and two recurrent blocks). The state (`initialize_state`, `return_state`, `step`)
-  holds every block's: recurrent states and attention caches in one pytree.
+  holds every block's: recurrent states and attention caches in one pytree. Layers that share
+  values (RWKV7's value residual) receive the first such layer's values through the blocks
+  between them, scanned or not.
 
   Attributes:
     num_outputs: classes, or the output vocabulary of a language model.
