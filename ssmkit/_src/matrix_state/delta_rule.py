@@ -36,7 +36,7 @@ def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   return jnp.moveaxis(out, 0, 1), final
 
 
-def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1):
+def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool = False):
   """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
 
   Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - k_t
@@ -49,7 +49,7 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1):
 
   With `read_every` r, only the queries of steps r - 1, 2r - 1, ... are read
   (`common.read_out`): the other steps' scores, outputs and readings of the entering state
-  are not computed.
+  are not computed. `factored`: as `chunks.per_key_scores` takes it.
   """
   q, k, v, beta, g, reset = c.q, c.k, c.v, c.beta, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
@@ -82,7 +82,7 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1):
     bad_query = read(bad_query)
     b = chunks.cumulative(g)
     total = b[:, :, :, -1]
-    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision)
+    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision, factored=factored)
     interact = jnp.where(seg.strict, kk, 0)
     weights = jnp.where(read(seg.causal), read(qk), 0)
     k_in = k * jnp.exp(b)
@@ -202,8 +202,8 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
   if min(chunk_size or default, x.q.shape[1]) % read_every:
     read_every = 1
-  return common.evaluate(x, _sequential,
-                         functools.partial(_chunk_maps, read_every=read_every), matrix=True,
-                         mode=mode, chunk_size=chunk_size, axis_name=axis_name,
-                         precision=precision, return_final_state=return_final_state,
-                         default_chunk_size=default)
+  maps = functools.partial(_chunk_maps, read_every=read_every)
+  return common.evaluate(x, _sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
+                         axis_name=axis_name, precision=precision,
+                         return_final_state=return_final_state, default_chunk_size=default,
+                         factored=functools.partial(maps, factored=True) if per_key else None)

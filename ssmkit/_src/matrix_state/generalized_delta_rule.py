@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 import jax
@@ -35,7 +36,7 @@ def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
   return jnp.moveaxis(out, 0, 1), final
 
 
-def _chunk_maps(c: chunks.Chunks, precision):
+def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
 
   Inside a chunk with cumulative per-key log-decays B_t (and B_{t-1} before step t), the
@@ -58,8 +59,9 @@ def _chunk_maps(c: chunks.Chunks, precision):
   after = chunks.cumulative(g)
   before = after - g
   total = after[:, :, :, -1:]
-  ((ab, ak),) = chunks.per_key_scores((a,), (b, k), before, after, precision, strict=True)
-  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision)
+  ((ab, ak),) = chunks.per_key_scores((a,), (b, k), before, after, precision, strict=True,
+                                      factored=factored)
+  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision, factored=factored)
   ab, ak = (jnp.where(seg.strict, x, 0) for x in (ab, ak))
   qb, qk = (jnp.where(seg.causal, x, 0) for x in (qb, qk))
   mix = lambda s, x: jnp.einsum("zhncs,zhnse->zhnce", s, x, precision=precision)
@@ -166,4 +168,5 @@ def generalized_delta_rule(
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state,
-                         default_chunk_size=common.SOLVED_CHUNK_SIZE)
+                         default_chunk_size=common.SOLVED_CHUNK_SIZE,
+                         factored=functools.partial(_chunk_maps, factored=True))

@@ -56,9 +56,10 @@ def _exclusive_sequential(x: Inputs, size: int | None, precision) -> tuple[Array
   return chunks.masked(out, kept), final
 
 
-def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False):
+def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False, factored: bool = False):
   """The chunks' maps S -> a S + u and a function from entering states to outputs (which
-  read the state before each step's own write when `exclusive`)."""
+  read the state before each step's own write when `exclusive`); `factored` as
+  `chunks.per_key_scores` takes it."""
   q, k, v, g, reset = c.q, c.k, c.v, c.log_decay, c.reset
   if c.beta is not None:
     k = k * c.beta[..., None]
@@ -89,7 +90,8 @@ def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False):
       k_out = k * jnp.exp(total[..., None] - b)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      weights = jnp.where(mask, chunks.per_key_scores((q,), (k,), b, b, precision)[0][0], 0)
+      ((decayed,),) = chunks.per_key_scores((q,), (k,), b, b, precision, factored=factored)
+      weights = jnp.where(mask, decayed, 0)
       q_in = q * jnp.exp(b)
       k_out = k * jnp.exp(total[:, :, :, None] - b)
       a = jnp.exp(total)[..., None]
@@ -196,7 +198,9 @@ def linear_attention(
   mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
-  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
-                         functools.partial(_chunk_maps, exclusive=exclusive), matrix=False, mode=mode,
-                         chunk_size=chunk_size, axis_name=axis_name, precision=precision,
-                         return_final_state=return_final_state)
+  maps = functools.partial(_chunk_maps, exclusive=exclusive)
+  per_key = x.log_decay is not None and x.log_decay.ndim == 4
+  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential, maps,
+                         matrix=False, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+                         precision=precision, return_final_state=return_final_state,
+                         factored=functools.partial(maps, factored=True) if per_key else None)
