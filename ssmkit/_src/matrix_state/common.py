@@ -253,7 +253,7 @@ def evaluate(
       return _tree(x, chunk_maps, size, matrix, precision)
     if factored is None:
       return _loop(x, chunk_maps, size, matrix, precision)
-    return lax.cond(chunks.factors(x.log_decay, size),
+    return lax.cond(chunks.factors(x, size),
                     lambda: _loop(x, factored, size, matrix, precision),
                     lambda: _loop(x, chunk_maps, size, matrix, precision))
 
