@@ -400,28 +400,33 @@ def _primitives(jaxpr):
       yield from _primitives(j)
 
 
-def _loops_chosen_by_a_cond(jaxpr) -> int:
-  """How many `cond`s in `jaxpr` choose between branches that each hold a loop."""
+def _conds(jaxpr, branches: int, loops: bool = False) -> int:
+  """How many `cond`s in `jaxpr` choose between `branches` branches (that each hold a loop)."""
   has_loop = lambda j: any(name == "scan" for name, _ in _primitives(j))
-  return sum(name == "cond" and all(map(has_loop, inner)) for name, inner in _primitives(jaxpr.jaxpr))
+  return sum(name == "cond" and len(inner) == branches and (not loops or all(map(has_loop, inner)))
+             for name, inner in _primitives(jaxpr.jaxpr))
 
 
 @pytest.mark.parametrize("kind", PER_KEY, ids=[kind[0] for kind in PER_KEY])
-def test_vmap_keeps_one_choice_of_the_chunk_loop_for_the_whole_batch(kind):
-  """Under `vmap` the chunked loop is still chosen by one `lax.cond` for the whole batch, not
-  run in both forms and selected row by row: a row with strong decays (47 to 50 nats a step)
-  sends every row through the safe form, and both rows match the float64 loop; the
-  gradients match those of the same rows batched without `vmap`."""
+def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch(kind):
+  """Under `vmap` the chunked loop is still chosen by one `lax.cond` for the whole batch (and
+  the parallel form's scores by one `lax.switch`), not run in every form and selected row by
+  row: a row with strong decays (47 to 50 nats a step) sends every row through the safe form,
+  and both rows match the float64 loop; the gradients match those of the same rows batched
+  without `vmap`."""
   rng = np.random.default_rng(24)
   rows = [_inputs(rng, kind, (), 37, decay=decay) for decay in ((0.0, 1.0), (47.0, 50.0))]
   x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]) for n in rows[0]}
   f = functools.partial(_call, kind, mode="chunked", chunk_size=8, return_final_state=True)
-  assert _loops_chosen_by_a_cond(jax.make_jaxpr(jax.vmap(f))(x)) == 1
-  out, final = jax.jit(jax.vmap(f))(x)
-  for i, row in enumerate(rows):
-    expected, expected_final = _reference(kind, row)
-    _assert_close(out[i], expected, TOL64)
-    _assert_close(final[i], expected_final, TOL64)
+  parallel = functools.partial(f, mode="parallel")
+  assert _conds(jax.make_jaxpr(jax.vmap(f))(x), 2, loops=True) == 1
+  assert _conds(jax.make_jaxpr(jax.vmap(parallel))(x), 3) >= 1
+  for g in (f, parallel):
+    out, final = jax.jit(jax.vmap(g))(x)
+    for i, row in enumerate(rows):
+      expected, expected_final = _reference(kind, row)
+      _assert_close(out[i], expected, TOL64)
+      _assert_close(final[i], expected_final, TOL64)
   names = tuple(_differentiable(x))
   loss = _loss(f, names)
   values = tuple(x[n] for n in names)
