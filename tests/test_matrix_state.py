@@ -407,36 +407,29 @@ def _conds(jaxpr, branches: int, loops: bool = False) -> int:
              for name, inner in _primitives(jaxpr.jaxpr))
 
 
-# Both families that score one decay per key channel; the others share their code.
-VMAPPED = [KINDS[2], KINDS[5]]
-
-
-@pytest.mark.parametrize("kind", VMAPPED, ids=[kind[0] for kind in VMAPPED])
-def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch(kind):
+def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch():
   """Under `vmap` the chunked loop is still chosen by one `lax.cond` for the whole batch (and
   the parallel form's scores by one `lax.switch`), not run in every form and selected row by
-  row: a row with strong decays (47 to 50 nats a step) sends every row through the safe form,
-  and both rows match the float64 loop; the gradients match those of the same rows batched
-  without `vmap`."""
+  row, for linear attention and the delta rule: a row with strong decays (47 to 50 nats a
+  step) sends every row through the safe form, and both rows of KDA match the float64 loop in
+  values and gradients."""
   rng = np.random.default_rng(24)
-  rows = [_inputs(rng, kind, (), 37, decay=decay) for decay in ((0.0, 1.0), (47.0, 50.0))]
-  x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]) for n in rows[0]}
-  f = functools.partial(_call, kind, mode="chunked", chunk_size=8, return_final_state=True)
-  parallel = functools.partial(f, mode="parallel")
-  assert _conds(jax.make_jaxpr(jax.vmap(f))(x), 2, loops=True) == 1
-  assert _conds(jax.make_jaxpr(jax.vmap(parallel))(x), 3) >= 1
-  for g in (f, parallel):
-    out, final = jax.jit(jax.vmap(g))(x)
-    for i, row in enumerate(rows):
-      expected, expected_final = _reference(kind, row)
-      _assert_close(out[i], expected, TOL64)
-      _assert_close(final[i], expected_final, TOL64)
+  for kind in (KINDS[2], KINDS[5]):  # GLA, KDA
+    rows = [_inputs(rng, kind, (), 37, decay=decay) for decay in ((0.0, 1.0), (47.0, 50.0))]
+    x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]) for n in rows[0]}
+    f = functools.partial(_call, kind, mode="chunked", chunk_size=8, return_final_state=True)
+    assert _conds(jax.make_jaxpr(jax.vmap(f))(x), 2, loops=True) == 1
+    assert _conds(jax.make_jaxpr(jax.vmap(functools.partial(f, mode="parallel")))(x), 3) >= 1
   names = tuple(_differentiable(x))
-  loss = _loss(f, names)
-  values = tuple(x[n] for n in names)
-  vmapped = jax.jit(jax.vmap(jax.grad(loss)))(values, x)
-  for g, e in zip(vmapped, jax.jit(jax.grad(loss))(values, x), strict=True):
-    _assert_close(g, e, TOL64)
+  out, final = jax.jit(jax.vmap(f))(x)
+  grads = jax.jit(jax.vmap(jax.grad(_loss(f, names))))(tuple(x[n] for n in names), x)
+  expected_grad, _ = _derivatives(_reference_scan(kind), names)
+  for i, row in enumerate(rows):
+    expected, expected_final = _reference(kind, row)
+    _assert_close(out[i], expected, TOL64)
+    _assert_close(final[i], expected_final, TOL64)
+    for g, e in zip(grads, expected_grad(tuple(row[n] for n in names), row), strict=True):
+      _assert_close(g[i], e, 1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
