@@ -414,12 +414,19 @@ def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch():
   step) sends every row through the safe form, and both rows of KDA match the float64 loop in
   values and gradients."""
   rng = np.random.default_rng(24)
-  for kind in (KINDS[2], KINDS[5]):  # GLA, KDA
+
+  def batch(kind):  # a mildly decaying row and a strongly decaying one, and the chunked form
     rows = [_inputs(rng, kind, (), 37, decay=decay) for decay in ((0.0, 1.0), (47.0, 50.0))]
     x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]) for n in rows[0]}
-    f = functools.partial(_call, kind, mode="chunked", chunk_size=8, return_final_state=True)
+    return rows, x, functools.partial(_call, kind, mode="chunked", chunk_size=8,
+                                      return_final_state=True)
+
+  for kind in (KINDS[2], KINDS[5]):  # GLA, KDA
+    _, x, f = batch(kind)
     assert _conds(jax.make_jaxpr(jax.vmap(f))(x), 2, loops=True) == 1
     assert _conds(jax.make_jaxpr(jax.vmap(functools.partial(f, mode="parallel")))(x), 3) >= 1
+  kind = KINDS[5]
+  rows, x, f = batch(kind)
   names = tuple(_differentiable(x))
   out, final = jax.jit(jax.vmap(f))(x)
   grads = jax.jit(jax.vmap(jax.grad(_loss(f, names))))(tuple(x[n] for n in names), x)
