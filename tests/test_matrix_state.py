@@ -308,7 +308,8 @@ def _check_gradients_and_jvp(kind, x, tol, modes=(("sequential", 8), ("chunked",
       lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, tree)
   grad, jvp = _derivatives(_reference_scan(kind), names)
   expected, expected_jvp = grad(as64(values), as64(x)), jvp(as64(values), as64(tangents), as64(x))
-  # On CPU, "auto" computes values step by step and derivatives chunked (70 >= 64 steps).
+  # On CPU, "auto" differentiates the chunked form (70 >= 64 steps); linear attention computes
+  # its values chunked too, the delta rules step by step.
   for mode, chunk in modes:
     grad, jvp = _derivatives(_jitted(kind, mode, chunk), names)
     for g, e in zip(grad(values, x), expected, strict=True):

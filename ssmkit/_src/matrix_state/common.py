@@ -225,6 +225,7 @@ def evaluate(
     return_final_state: bool,
     default_chunk_size: int = DEFAULT_CHUNK_SIZE,
     factored: ChunkMaps | None = None,
+    chunked_values: bool = False,
 ):
   """Runs the recurrence in `mode`: the outputs in the public layout, and with
   `return_final_state` the final state (`inputs.finish`); chunks of `chunk_size` steps, or
@@ -235,11 +236,13 @@ def evaluate(
   uses when `chunks.factors` says so for the whole sequence (one `lax.cond`), `chunk_maps`
   otherwise. The parallel form keeps the choice per call: as a `lax.cond`, its gradient
   held both branches' residuals of every chunk (KDA's: 540 MiB against 321 MiB).
+  `chunked_values`: "auto" computes values by the chunked loop on CPU too
+  (`modes.resolve_matrix_mode`).
   """
   length = x.q.shape[1]
   if length == 0:
     return finish(x, x.v, x.state, return_final_state)
-  plan = resolve_matrix_mode(mode, length)
+  plan = resolve_matrix_mode(mode, length, chunked_values=chunked_values)
   size = min(chunk_size or default_chunk_size, length)
   final = None
   if axis_name is not None:

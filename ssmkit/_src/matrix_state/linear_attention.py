@@ -149,9 +149,8 @@ def linear_attention(
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential" (one step at a time: the decoding path), "chunked" (the chunkwise
       algorithm, chunks carried one after another), "parallel" (the chunkwise algorithm
-      with the chunks combined as a tree, depth log(T / C)) or "auto": on CPU, values step
-      by step and derivatives by the chunked form from 64 steps on (step by step below);
-      on accelerators, the parallel form.
+      with the chunks combined as a tree, depth log(T / C)) or "auto": on CPU, the chunked
+      form from 64 steps on (step by step below); on accelerators, the parallel form.
     chunk_size: steps per chunk (and per rematerialised group of the sequential mode);
       default 64, at most T.
     return_final_state: also return S_T, to continue over the next piece of a sequence.
@@ -203,4 +202,5 @@ def linear_attention(
   return common.evaluate(x, _exclusive_sequential if exclusive else _sequential, maps,
                          matrix=False, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                          precision=precision, return_final_state=return_final_state,
-                         factored=functools.partial(maps, factored=True) if per_key else None)
+                         factored=functools.partial(maps, factored=True) if per_key else None,
+                         chunked_values=True)
