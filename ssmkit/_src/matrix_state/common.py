@@ -224,18 +224,18 @@ def evaluate(
     precision,
     return_final_state: bool,
     default_chunk_size: int = DEFAULT_CHUNK_SIZE,
-    factored: ChunkMaps | None = None,
+    per_key_scores: bool = False,
     chunked_values: bool = False,
 ):
   """Runs the recurrence in `mode`: the outputs in the public layout, and with
   `return_final_state` the final state (`inputs.finish`); chunks of `chunk_size` steps, or
   `default_chunk_size` for None, at most T.
 
-  `factored`, for chunk maps that score one decay per key channel (`chunks.per_key_scores`):
-  the same maps for chunks that all decay by less than its limit, which the chunked loop
-  uses when `chunks.factors` says so for the whole sequence (one `lax.cond`), `chunk_maps`
-  otherwise. The parallel form keeps the choice per call: as a `lax.cond`, its gradient
-  held both branches' residuals of every chunk (KDA's: 540 MiB against 321 MiB).
+  `per_key_scores`: `chunk_maps` score one decay per key channel (`chunks.per_key_scores`) and
+  take its `factored`; the chunked loop runs them with `factored=True` when `chunks.factors`
+  says so for the whole sequence (one `lax.cond`), as they are otherwise. The parallel form
+  keeps the choice per call: as a `lax.cond`, its gradient held both branches' residuals of
+  every chunk (KDA's: 540 MiB against 321 MiB).
   `chunked_values`: "auto" computes values by the chunked loop on CPU too
   (`modes.resolve_matrix_mode`).
   """
@@ -258,8 +258,9 @@ def evaluate(
       return sequential(x, size if differentiated else None, precision)
     if mode is not Mode.CHUNKED:
       return _tree(x, chunk_maps, size, matrix, precision)
-    if factored is None:
+    if not per_key_scores:
       return _loop(x, chunk_maps, size, matrix, precision)
+    factored = functools.partial(chunk_maps, factored=True)
     return lax.cond(chunks.factors(x, size),
                     lambda: _loop(x, factored, size, matrix, precision),
                     lambda: _loop(x, chunk_maps, size, matrix, precision))

@@ -206,4 +206,4 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   return common.evaluate(x, _sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
                          axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
-                         factored=functools.partial(maps, factored=True) if per_key else None)
+                         per_key_scores=per_key)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable
 
 import jax
@@ -169,4 +168,4 @@ def generalized_delta_rule(
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state,
                          default_chunk_size=common.SOLVED_CHUNK_SIZE,
-                         factored=functools.partial(_chunk_maps, factored=True))
+                         per_key_scores=True)

@@ -197,10 +197,9 @@ def linear_attention(
   mode = common.check_options(mode, chunk_size, axis_name)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
-  maps = functools.partial(_chunk_maps, exclusive=exclusive)
-  per_key = x.log_decay is not None and x.log_decay.ndim == 4
-  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential, maps,
-                         matrix=False, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
+                         functools.partial(_chunk_maps, exclusive=exclusive), matrix=False,
+                         mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                          precision=precision, return_final_state=return_final_state,
-                         factored=functools.partial(maps, factored=True) if per_key else None,
+                         per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
                          chunked_values=True)
