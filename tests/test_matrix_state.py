@@ -435,12 +435,13 @@ def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch():
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_gradients_match_finite_differences(kind):
   """Central differences of the loss along random directions of every input at once equal its
-  JVP along them and the gradient's inner product with them."""
+  JVP along them and the gradient's inner product with them (the chunked programs of the
+  gradient tests, on their inputs)."""
   rng = np.random.default_rng(12)
-  x = _inputs(rng, kind, (), 11, heads=1, dim_k=3, dim_v=2, reset_rate=0.2)
+  x = dict(_inputs(np.random.default_rng(11), kind, (2,), 70), read=np.ones((2, 70), bool))
   names = tuple(_differentiable(x))
   values = tuple(x[n] for n in names)
-  f = _jitted(kind, "chunked", 4)
+  f = _jitted(kind, *LAYOUTS[1])
   loss, (grad, jvp) = jax.jit(_loss(f, names)), _derivatives(f, names)
   gradients = grad(values, x)
   eps = 1e-5
