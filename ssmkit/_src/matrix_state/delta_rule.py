@@ -17,23 +17,35 @@ Array = jax.Array
 
 
 def _step(precision):
+  """One token's step: the reset and decay, then n delta-rule writes (k_t, v_t and beta_t with
+  a leading axis of n), then the read."""
+
   def step(s, x):
-    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (Z, H, K|V) vectors, (Z, H[, K]), (Z,)
+    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (n, Z, H, K|V) writes, (Z, H[, K]), (Z,)
     if reset_t is not None:
       s = jnp.where(reset_t[:, None, None, None], 0, s)
     s = steps.decayed(s, g_t)
-    predicted = jnp.einsum("zhk,zhkv->zhv", k_t, s, precision=precision)
-    s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - predicted))[..., None, :]
+    for k_j, v_j, beta_j in zip(k_t, v_t, beta_t, strict=True):
+      predicted = jnp.einsum("zhk,zhkv->zhv", k_j, s, precision=precision)
+      s = s + k_j[..., :, None] * (beta_j[..., None] * (v_j - predicted))[..., None, :]
     return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
 
   return step
 
 
-def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
-  xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
-             for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
-  out, final = steps.run(_step(precision), xs, x.state, size)
-  return jnp.moveaxis(out, 0, 1), final
+def _sequential(x: Inputs, size: int | None, precision, per_token: int = 1) -> tuple[Array, Array]:
+  """The step loop, one iteration per token of `per_token` steps (`evaluate`'s `read_every`):
+  the decay and reset of its first step, the query of its last; the outputs of the other
+  steps are zeros."""
+  tokens = lambda a: a.reshape((a.shape[0] // per_token, per_token, *a.shape[1:]))
+  q, k, v, beta, g, reset = (None if a is None else tokens(jnp.moveaxis(a, 1, 0))
+                             for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
+  first = lambda a: None if a is None else a[:, 0]
+  out, final = steps.run(_step(precision), (q[:, -1], k, v, beta, first(g), first(reset)),
+                         x.state, None if size is None else max(size // per_token, 1))
+  # (T / n, Z, H, V) -> (Z, T, H, V), each token's output at its last step
+  out = jnp.stack([jnp.zeros_like(out)] * (per_token - 1) + [out], axis=1)
+  return jnp.moveaxis(out.reshape((-1, *out.shape[2:])), 0, 1), final
 
 
 def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool = False):
@@ -194,16 +206,18 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
              precision, return_final_state: bool, read_every: int = 1):
   """`delta_rule` on checked inputs (`prepare`).
 
-  With `read_every` r, only the outputs of steps r - 1, 2r - 1, ... are wanted (the others
-  may come back as zeros): the chunked forms skip the other steps' queries when a chunk
-  holds whole groups of r steps.
+  With `read_every` r (`delta_product`'s tokens of r steps), only the outputs of steps
+  r - 1, 2r - 1, ... are wanted (the others may come back as zeros), and only the first step
+  of each r has a decay or a reset: the step loop takes r steps per iteration, and the
+  chunked forms skip the other steps' queries when a chunk holds whole groups of r steps.
   """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
   default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
+  sequential = functools.partial(_sequential, per_token=read_every)
   if min(chunk_size or default, x.q.shape[1]) % read_every:
     read_every = 1
   maps = functools.partial(_chunk_maps, read_every=read_every)
-  return common.evaluate(x, _sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
+  return common.evaluate(x, sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
                          axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
                          per_key_scores=per_key)
