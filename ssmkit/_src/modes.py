@@ -112,6 +112,12 @@ def default_inner(backend: str | None = None) -> Inner:
 
 
 _SHORT_MATRIX_STATE = 64
+# From this many (batch row, head, step) triples on, the delta rules' chunks computed values
+# faster than the step loop on CPU, below it slower (medians side by side, K=V=64: B=2 H=4
+# T=4096 24.7 against 31.2 ms, KDA 26.8 against 35.0; B=8 H=4 T=1024 26.5 against 35.6;
+# B=2 H=4 T=2048 13.3 against 12.5, T=256 2.6 against 1.8). The delta product's (two steps
+# a token) stayed 3-8% slower than its loop at every size measured.
+DELTA_VALUES_CHUNKED_FROM = 1 << 15
 
 
 class MatrixPlan(NamedTuple):
@@ -127,15 +133,17 @@ class MatrixPlan(NamedTuple):
 
 
 def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
-                        chunked_values: bool = False) -> MatrixPlan:
-  """The plan for `mode` over `length` steps; `Mode.AUTO` is chosen per backend.
+                        chunked_values_from: float = math.inf, rows: int = 1) -> MatrixPlan:
+  """The plan for `mode` over `length` steps of `rows` (batch rows times heads) sequences;
+  `Mode.AUTO` is chosen per backend.
 
   A single step always runs sequentially (decoding). On CPU, the step-by-step loop streams
   the state through the cache, while its gradient keeps T states; `auto` there differentiates
   the chunked form (one state per chunk) and computes values step by step, or chunked too
-  with `chunked_values`: linear attention's chunks need no solve, and their values took 0.5x
-  to 1.07x the step loop's time from 128 to 16384 steps (medians side by side, CPU), where
-  the delta rules' took up to 2x (KDA at 256 steps).
+  from `rows * length >= chunked_values_from` on: linear attention's chunks need no solve,
+  and their values took 0.5x to 1.07x the step loop's time from 128 to 16384 steps (medians
+  side by side, CPU), so it passes 0; the delta rules' took up to 2x (KDA at 256 steps), so
+  they pass `DELTA_VALUES_CHUNKED_FROM`.
   On accelerators, T steps would be T small kernels: `auto` runs every chunk at once with the
   chunk maps combined as a tree.
   """
@@ -145,5 +153,6 @@ def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
   if length == 1 or (backend == "cpu" and length < _SHORT_MATRIX_STATE):
     return MatrixPlan(Mode.SEQUENTIAL, Mode.SEQUENTIAL)
   if backend == "cpu":
-    return MatrixPlan(Mode.CHUNKED if chunked_values else Mode.SEQUENTIAL, Mode.CHUNKED)
+    chunked = rows * length >= chunked_values_from
+    return MatrixPlan(Mode.CHUNKED if chunked else Mode.SEQUENTIAL, Mode.CHUNKED)
   return MatrixPlan(Mode.PARALLEL, Mode.PARALLEL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -225,7 +226,7 @@ def evaluate(
     return_final_state: bool,
     default_chunk_size: int = DEFAULT_CHUNK_SIZE,
     per_key_scores: bool = False,
-    chunked_values: bool = False,
+    chunked_values_from: float = math.inf,
 ):
   """Runs the recurrence in `mode`: the outputs in the public layout, and with
   `return_final_state` the final state (`inputs.finish`); chunks of `chunk_size` steps, or
@@ -236,13 +237,14 @@ def evaluate(
   says so for the whole sequence (one `lax.cond`), as they are otherwise. The parallel form
   keeps the choice per call: as a `lax.cond`, its gradient held both branches' residuals of
   every chunk (KDA's: 540 MiB against 321 MiB).
-  `chunked_values`: "auto" computes values by the chunked loop on CPU too
-  (`modes.resolve_matrix_mode`).
+  `chunked_values_from`: "auto" computes values by the chunked loop on CPU too from this many
+  (batch row, head, step) triples on (`modes.resolve_matrix_mode`).
   """
   length = x.q.shape[1]
   if length == 0:
     return finish(x, x.v, x.state, return_final_state)
-  plan = resolve_matrix_mode(mode, length, chunked_values=chunked_values)
+  plan = resolve_matrix_mode(mode, length, chunked_values_from=chunked_values_from,
+                             rows=x.q.shape[0] * x.q.shape[2])
   size = min(chunk_size or default_chunk_size, length)
   final = None
   if axis_name is not None:

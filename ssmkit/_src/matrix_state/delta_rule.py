@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Hashable
 
 import jax
@@ -11,7 +12,7 @@ from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
-from ssmkit._src.modes import Mode
+from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Mode
 
 Array = jax.Array
 
@@ -163,7 +164,8 @@ def delta_rule(
     initial_state: `(..., H, K, V)` state before the first step; default zeros.
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
-      `(K, K)` products) or "auto"; see `linear_attention`.
+      `(K, K)` products) or "auto"; see `linear_attention`. On CPU, "auto" computes values
+      step by step below 2^15 (batch row, head, step) triples (derivatives chunked).
     chunk_size: steps per chunk; default 64 (32 with one decay per key channel), at most T.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
@@ -209,15 +211,17 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   With `read_every` r (`delta_product`'s tokens of r steps), only the outputs of steps
   r - 1, 2r - 1, ... are wanted (the others may come back as zeros), and only the first step
   of each r has a decay or a reset: the step loop takes r steps per iteration, and the
-  chunked forms skip the other steps' queries when a chunk holds whole groups of r steps.
+  chunked forms skip the other steps' queries when a chunk holds whole groups of r steps;
+  "auto" computes its values step by step at every length.
   """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
   default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
   sequential = functools.partial(_sequential, per_token=read_every)
+  chunked_values_from = DELTA_VALUES_CHUNKED_FROM if read_every == 1 else math.inf
   if min(chunk_size or default, x.q.shape[1]) % read_every:
     read_every = 1
   maps = functools.partial(_chunk_maps, read_every=read_every)
   return common.evaluate(x, sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
                          axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
-                         per_key_scores=per_key)
+                         per_key_scores=per_key, chunked_values_from=chunked_values_from)

@@ -10,7 +10,7 @@ from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
-from ssmkit._src.modes import Mode
+from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Mode
 
 Array = jax.Array
 
@@ -128,7 +128,8 @@ def generalized_delta_rule(
     initial_state: `(..., H, K, V)` state before the first step; default zeros.
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
-      `(K, K)` products) or "auto"; see `linear_attention`.
+      `(K, K)` products) or "auto"; see `linear_attention`. On CPU, "auto" computes values
+      step by step below 2^15 (batch row, head, step) triples (derivatives chunked).
     chunk_size: steps per chunk; default 32, at most T.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
@@ -167,5 +168,5 @@ def generalized_delta_rule(
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state,
-                         default_chunk_size=common.SOLVED_CHUNK_SIZE,
-                         per_key_scores=True)
+                         default_chunk_size=common.SOLVED_CHUNK_SIZE, per_key_scores=True,
+                         chunked_values_from=DELTA_VALUES_CHUNKED_FROM)

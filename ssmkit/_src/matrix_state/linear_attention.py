@@ -202,4 +202,4 @@ def linear_attention(
                          mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                          precision=precision, return_final_state=return_final_state,
                          per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
-                         chunked_values=True)
+                         chunked_values_from=0)
