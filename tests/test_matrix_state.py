@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import references
+from ssmkit._src import modes
 from ssmkit._src.matrix_state import chunks
 from ssmkit.scan import delta_product, delta_rule, generalized_delta_rule, linear_attention
 
@@ -484,13 +485,17 @@ def test_streaming_in_pieces_equals_one_pass(kind):
   _assert_close(state, expected_final, TOL64)
 
 
-@pytest.mark.parametrize("kind", [KINDS[1], KINDS[4]], ids=["ssd", "gated-deltanet"])
-def test_a_decoding_step_runs_no_chunk_machinery(kind):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("kind", [KINDS[1], KINDS[4], KINDS[7]],
+                         ids=["ssd", "gated-deltanet", "gated-deltaproduct"])
+def test_a_decoding_step_runs_no_chunk_machinery(kind, backend, monkeypatch):
+  """One step ("auto" on any backend), or one token of the delta product's steps."""
+  monkeypatch.setattr(modes.jax, "default_backend", lambda: backend)
   x = _inputs(np.random.default_rng(15), kind, (2,), 1)
   jaxpr = str(jax.make_jaxpr(functools.partial(_call, kind, mode="auto"))(x))
   for primitive in ("scan", "while", "triangular_solve", "cumsum", "dot_general"):
-    if primitive == "dot_general":
-      assert jaxpr.count(primitive) <= 2, jaxpr  # the read-out (and the delta rule's prediction)
+    if primitive == "dot_general":  # the read-out and each write's prediction
+      assert jaxpr.count(primitive) <= 1 + (PRODUCTS if kind[1] == "product" else 1), jaxpr
     else:
       assert primitive not in jaxpr, jaxpr
 
