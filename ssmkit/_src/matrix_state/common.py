@@ -13,7 +13,7 @@ from jax import lax
 
 from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, vary_alike
-from ssmkit._src.matrix_state import chunks
+from ssmkit._src.matrix_state import chunks, triangular
 from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
 from ssmkit._src.modes import Mode, parse_mode, resolve_matrix_mode
 
@@ -158,8 +158,16 @@ def _ungrouped(state: Array, groups: int) -> Array:
   return state.reshape((state.shape[0] // groups, state.shape[1] * groups, *state.shape[2:]))
 
 
+# The chunked loop's backward pass recomputes each window but for the inverses of its solves
+# (C x C a chunk): side by side, B=2 T=4096 H=4 K=V=64 on CPU, the generalized delta rule's
+# gradient took 118.5 against 124.7 ms (34.7 -> 38.7 MiB), the delta product's 183.3 against
+# 191.2 ms (68.2 -> 84.6 MiB).
+_KEEP = jax.checkpoint_policies.save_only_these_names(triangular.INVERSE)
+
+
 def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
-  """Windows of chunks one after another, each rematerialised in the backward pass."""
+  """Windows of chunks one after another, each rematerialised in the backward pass (but for
+  the inverses of its solves)."""
   padded, span, starts = _windows(x, size)
   groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
 
@@ -173,7 +181,7 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
     window = chunks.merge(outputs(jnp.stack(entering, axis=2)), groups)
     return (s, lax.dynamic_update_slice_in_dim(out, window, start, axis=1)), None
 
-  (final, out), _ = lax.scan(jax.checkpoint(body),
+  (final, out), _ = lax.scan(jax.checkpoint(body, policy=_KEEP),
                              (_grouped(x.state, groups), jnp.zeros_like(padded.v)), starts)
   return out[:, :x.q.shape[1]], _ungrouped(final, groups)
 

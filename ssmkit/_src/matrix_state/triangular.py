@@ -15,9 +15,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 _BLOCK = 16
+# The inverse as the derivative names it, for a rematerialisation policy to keep.
+INVERSE = "unit_lower_inverse"
 
 
 def _block_solve(n: Array, b: Array, precision) -> Array:
@@ -65,7 +68,7 @@ def unit_lower_solve(lower: Array, b: Array, precision=None) -> Array:
 def _unit_lower_solve_jvp(precision, primals, tangents):
   lower, b = primals
   d_lower, d_b = tangents
-  inverse = _inverse(lower, precision)
+  inverse = checkpoint_name(_inverse(lower, precision), INVERSE)
   x = jnp.matmul(inverse, b, precision=precision)
   dx = jnp.matmul(inverse, d_b - jnp.matmul(d_lower, x, precision=precision), precision=precision)
   return x, dx
