@@ -83,14 +83,13 @@ def read_out(
       NaN.
     reset: `(Z, 1, n, C)` or None.
     precision: matmul precision.
-    read_every: r; only steps r - 1, 2r - 1, ... of each chunk are read (R = C / r), the
-      other steps' outputs are zero.
+    read_every: r; only steps r - 1, 2r - 1, ... of each chunk are read (R = C / r).
     reached: `(Z, H, n, C)` the steps whose outputs a non-finite input reaches, where not
       the steps whose state it reaches (a read before the step's own write); None: those.
 
   Returns:
     The chunks' maps, and a function from the `(Z, H, n, K, V)` states entering the
-    chunks to the `(Z, H, n, C, V)` outputs.
+    chunks to the `(Z, H, n, R, V)` outputs of the read steps.
   """
   poisoned = None if bad is None else chunks.poisoned(bad, reset)
   if poisoned is not None:
@@ -116,12 +115,7 @@ def read_out(
       unread = ~jnp.all(finite, axis=-2)[..., None, :] & first[..., None]  # (Z, H, n, 1, V)
       out = intra + chunks.masked(read(jnp.where(finite, entering, 0)), first)
       nan = nan | unread
-    out = jnp.where(nan, jnp.nan, out)
-    if read_every == 1:
-      return out
-    # (Z, H, n, R, r, V): the unread steps' zeros before each read step
-    spread = jnp.stack([jnp.zeros_like(out)] * (read_every - 1) + [out], axis=-2)
-    return spread.reshape((*out.shape[:3], -1, out.shape[-1]))
+    return jnp.where(nan, jnp.nan, out)
 
   return maps, outputs
 
@@ -165,9 +159,10 @@ def _ungrouped(state: Array, groups: int) -> Array:
 _KEEP = jax.checkpoint_policies.save_only_these_names(triangular.INVERSE)
 
 
-def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
+def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, every: int):
   """Windows of chunks one after another, each rematerialised in the backward pass (but for
-  the inverses of its solves)."""
+  the inverses of its solves); the outputs of every `every`-th step (`chunk_maps` reads
+  them)."""
   padded, span, starts = _windows(x, size)
   groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
 
@@ -179,20 +174,22 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
       entering.append(s)
       s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
     window = chunks.merge(outputs(jnp.stack(entering, axis=2)), groups)
-    return (s, lax.dynamic_update_slice_in_dim(out, window, start, axis=1)), None
+    return (s, lax.dynamic_update_slice_in_dim(out, window, start // every, axis=1)), None
 
+  out = jnp.zeros_like(padded.v[:, every - 1::every])
   (final, out), _ = lax.scan(jax.checkpoint(body, policy=_KEEP),
-                             (_grouped(x.state, groups), jnp.zeros_like(padded.v)), starts)
-  return out[:, :x.q.shape[1]], _ungrouped(final, groups)
+                             (_grouped(x.state, groups), out), starts)
+  return out[:, :x.q.shape[1] // every], _ungrouped(final, groups)
 
 
-def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision):
-  """Every chunk at once, the chunk maps combined as a tree."""
+def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, every: int):
+  """Every chunk at once, the chunk maps combined as a tree; the outputs of every `every`-th
+  step."""
   groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
   maps, outputs = chunk_maps(chunks.split(chunks.pad(x, size), size, groups=groups), precision)
   entering, final = state_pass.run(maps, _grouped(x.state, groups), matrix=matrix,
                                    precision=precision)
-  return (chunks.merge(outputs(entering), groups)[:, :x.q.shape[1]],
+  return (chunks.merge(outputs(entering), groups)[:, :x.q.shape[1] // every],
           _ungrouped(final, groups))
 
 
@@ -235,6 +232,7 @@ def evaluate(
     default_chunk_size: int = DEFAULT_CHUNK_SIZE,
     per_key_scores: bool = False,
     chunked_values_from: float = math.inf,
+    read_every: int = 1,
 ):
   """Runs the recurrence in `mode`: the outputs in the public layout, and with
   `return_final_state` the final state (`inputs.finish`); chunks of `chunk_size` steps, or
@@ -247,6 +245,9 @@ def evaluate(
   every chunk (KDA's: 540 MiB against 321 MiB).
   `chunked_values_from`: "auto" computes values by the chunked loop on CPU too from this many
   (batch row, head, step) triples on (`modes.resolve_matrix_mode`).
+  `read_every` r: only the outputs of steps r - 1, 2r - 1, ... are returned, T / r of them
+  (T a multiple of r); `sequential` takes `per_token=r`, and `chunk_maps` take `read_every`
+  r where a chunk holds whole groups of r steps, else 1 (every step read, every r-th kept).
   """
   length = x.q.shape[1]
   if length == 0:
@@ -254,6 +255,10 @@ def evaluate(
   plan = resolve_matrix_mode(mode, length, chunked_values_from=chunked_values_from,
                              rows=x.q.shape[0] * x.q.shape[2])
   size = min(chunk_size or default_chunk_size, length)
+  every = read_every if size % read_every == 0 else 1  # the steps the chunk maps read
+  if read_every > 1:
+    sequential = functools.partial(sequential, per_token=read_every)
+    chunk_maps = functools.partial(chunk_maps, read_every=every)
   final = None
   if axis_name is not None:
     arrays = vary_alike(tuple(getattr(x, f) for f in FLOATS))
@@ -263,17 +268,22 @@ def evaluate(
                                                 axis_name=axis_name, precision=precision)
     x = x._replace(state=entering)
 
+  def chunked(x: Inputs, mode: Mode) -> tuple[Array, Array]:
+    if mode is not Mode.CHUNKED:
+      return _tree(x, chunk_maps, size, matrix, precision, every)
+    if not per_key_scores:
+      return _loop(x, chunk_maps, size, matrix, precision, every)
+    factored = functools.partial(chunk_maps, factored=True)
+    return lax.cond(chunks.factors(x, size),
+                    lambda: _loop(x, factored, size, matrix, precision, every),
+                    lambda: _loop(x, chunk_maps, size, matrix, precision, every))
+
   def run(x: Inputs, mode: Mode, differentiated: bool = True) -> tuple[Array, Array]:
     if mode is Mode.SEQUENTIAL:
       return sequential(x, size if differentiated else None, precision)
-    if mode is not Mode.CHUNKED:
-      return _tree(x, chunk_maps, size, matrix, precision)
-    if not per_key_scores:
-      return _loop(x, chunk_maps, size, matrix, precision)
-    factored = functools.partial(chunk_maps, factored=True)
-    return lax.cond(chunks.factors(x, size),
-                    lambda: _loop(x, factored, size, matrix, precision),
-                    lambda: _loop(x, chunk_maps, size, matrix, precision))
+    out, last = chunked(x, mode)
+    kept = read_every // every  # the chunk maps read every step where r does not divide C
+    return out[:, kept - 1::kept], last
 
   if plan.forward is plan.derivatives:
     out, last = run(x, plan.forward)

@@ -146,7 +146,4 @@ def delta_product(
   out = delta_rule.evaluate(x, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                             precision=precision, return_final_state=return_final_state,
                             read_every=steps)
-  o, final = out if return_final_state else (out, None)
-  o = o.reshape((*o.shape[:time], o.shape[time] // steps, steps, *o.shape[time + 1:]))
-  o = lax.index_in_dim(o, steps - 1, time + 1, keepdims=False)
-  return (o, final) if return_final_state else o
+  return out

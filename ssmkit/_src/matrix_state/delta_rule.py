@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Hashable
 
@@ -36,17 +35,14 @@ def _step(precision):
 
 def _sequential(x: Inputs, size: int | None, precision, per_token: int = 1) -> tuple[Array, Array]:
   """The step loop, one iteration per token of `per_token` steps (`evaluate`'s `read_every`):
-  the decay and reset of its first step, the query of its last; the outputs of the other
-  steps are zeros."""
+  the decay and reset of its first step, the query of its last, the token's output."""
   tokens = lambda a: a.reshape((a.shape[0] // per_token, per_token, *a.shape[1:]))
   q, k, v, beta, g, reset = (None if a is None else tokens(jnp.moveaxis(a, 1, 0))
                              for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
   first = lambda a: None if a is None else a[:, 0]
   out, final = steps.run(_step(precision), (q[:, -1], k, v, beta, first(g), first(reset)),
                          x.state, None if size is None else max(size // per_token, 1))
-  # (T / n, Z, H, V) -> (Z, T, H, V), each token's output at its last step
-  out = jnp.stack([jnp.zeros_like(out)] * (per_token - 1) + [out], axis=1)
-  return jnp.moveaxis(out.reshape((-1, *out.shape[2:])), 0, 1), final
+  return jnp.moveaxis(out, 0, 1), final
 
 
 def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool = False):
@@ -209,19 +205,16 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   """`delta_rule` on checked inputs (`prepare`).
 
   With `read_every` r (`delta_product`'s tokens of r steps), only the outputs of steps
-  r - 1, 2r - 1, ... are wanted (the others may come back as zeros), and only the first step
-  of each r has a decay or a reset: the step loop takes r steps per iteration, and the
-  chunked forms skip the other steps' queries when a chunk holds whole groups of r steps;
-  "auto" computes its values step by step at every length.
+  r - 1, 2r - 1, ... are returned (`common.evaluate`), and only the first step of each r has
+  a decay or a reset: the step loop takes r steps per iteration, and the chunked forms skip
+  the other steps' queries when a chunk holds whole groups of r steps; "auto" computes its
+  values step by step at every length.
   """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
   default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
-  sequential = functools.partial(_sequential, per_token=read_every)
   chunked_values_from = DELTA_VALUES_CHUNKED_FROM if read_every == 1 else math.inf
-  if min(chunk_size or default, x.q.shape[1]) % read_every:
-    read_every = 1
-  maps = functools.partial(_chunk_maps, read_every=read_every)
-  return common.evaluate(x, sequential, maps, matrix=True, mode=mode, chunk_size=chunk_size,
-                         axis_name=axis_name, precision=precision,
+  return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
+                         chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
-                         per_key_scores=per_key, chunked_values_from=chunked_values_from)
+                         per_key_scores=per_key, chunked_values_from=chunked_values_from,
+                         read_every=read_every)
