@@ -174,7 +174,8 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, 
       entering.append(s)
       s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
     window = chunks.merge(outputs(jnp.stack(entering, axis=2)), groups)
-    return (s, lax.dynamic_update_slice_in_dim(out, window, start // every, axis=1)), None
+    row = start if every == 1 else start // every
+    return (s, lax.dynamic_update_slice_in_dim(out, window, row, axis=1)), None
 
   out = jnp.zeros_like(padded.v[:, every - 1::every])
   (final, out), _ = lax.scan(jax.checkpoint(body, policy=_KEEP),
@@ -283,7 +284,7 @@ def evaluate(
       return sequential(x, size if differentiated else None, precision)
     out, last = chunked(x, mode)
     kept = read_every // every  # the chunk maps read every step where r does not divide C
-    return out[:, kept - 1::kept], last
+    return (out if kept == 1 else out[:, kept - 1::kept]), last
 
   if plan.forward is plan.derivatives:
     out, last = run(x, plan.forward)
