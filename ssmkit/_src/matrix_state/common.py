@@ -253,7 +253,9 @@ def evaluate(
   length = x.q.shape[1]
   if length == 0:
     return finish(x, x.v, x.state, return_final_state)
-  plan = resolve_matrix_mode(mode, length, chunked_values_from=chunked_values_from,
+  # One token of r steps decodes as one step does.
+  plan = resolve_matrix_mode(mode, 1 if length == read_every else length,
+                             chunked_values_from=chunked_values_from,
                              rows=x.q.shape[0] * x.q.shape[2])
   size = min(chunk_size or default_chunk_size, length)
   every = read_every if size % read_every == 0 else 1  # the steps the chunk maps read

@@ -137,8 +137,6 @@ def delta_product(
   q, k, v, beta, steps = _check(q, k, v, beta, log_decay, reset)
   time = q.ndim - 3
   mode = common.check_options(mode, chunk_size, axis_name)
-  if mode is Mode.AUTO and q.shape[time] == 1:  # one token (n steps) decodes, as one step does
-    mode = Mode.SEQUENTIAL
   x = prepare(at_step(q, steps, steps - 1, time), interleave(k, steps, time),
               interleave(v, steps, time), log_decay=at_step(log_decay, steps, 0, time),
               beta=interleave(beta, steps, time), initial_state=initial_state,
