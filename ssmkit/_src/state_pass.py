@@ -51,7 +51,7 @@ def _flags(cut: Array, like: Array) -> Array:
   return cut.reshape(cut.shape + (1,) * (like.ndim - cut.ndim))
 
 
-def _cut_off(cut: Array | None, s: Array) -> Array:
+def cut_off(cut: Array | None, s: Array) -> Array:
   """`s` zeroed where `cut`: selected before a product with A, so that neither the product nor
   A's gradient (the zero cotangent of a cut map times `s`) sees a NaN in `s`."""
   return s if cut is None else jnp.where(_flags(cut, s), jnp.zeros_like(s), s)
@@ -59,14 +59,14 @@ def _cut_off(cut: Array | None, s: Array) -> Array:
 
 def apply(m: Maps, s: Array, *, matrix: bool, precision=None) -> Array:
   """A S + U, or U where cut: a selection, so a NaN in `s` stays out of a cut map."""
-  new = _times(m.a, _cut_off(m.cut, s), matrix, precision) + m.u
+  new = _times(m.a, cut_off(m.cut, s), matrix, precision) + m.u
   return new if m.cut is None else jnp.where(_flags(m.cut, new), m.u, new)
 
 
 def compose(first: Maps, second: Maps, *, matrix: bool, precision=None) -> Maps:
   """The map of `first` then `second`."""
-  a = _times(second.a, _cut_off(second.cut, first.a), matrix, precision)
-  u = _times(second.a, _cut_off(second.cut, first.u), matrix, precision) + second.u
+  a = _times(second.a, cut_off(second.cut, first.a), matrix, precision)
+  u = _times(second.a, cut_off(second.cut, first.u), matrix, precision) + second.u
   if second.cut is None:
     return Maps(a, u, None)
   return Maps(
@@ -178,7 +178,7 @@ def across_devices(
   index, size = axis_position(axis_name)
   entry = index == (size - 1 if reverse else 0)
   # The state is zeroed off the entry device before the product, for the same reason as in
-  # `_cut_off`: a NaN initial state must not reach the other devices' gradients.
+  # `cut_off`: a NaN initial state must not reach the other devices' gradients.
   own = apply(device, jnp.where(entry, state, jnp.zeros_like(state)), matrix=matrix,
               precision=precision)
   device = device._replace(u=jnp.where(entry, own, device.u))

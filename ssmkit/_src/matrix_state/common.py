@@ -13,7 +13,7 @@ from jax import lax
 
 from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, vary_alike
-from ssmkit._src.matrix_state import chunks, triangular
+from ssmkit._src.matrix_state import chunks, low_rank, triangular
 from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
 from ssmkit._src.modes import Mode, parse_mode, resolve_matrix_mode
 
@@ -28,9 +28,13 @@ SOLVED_CHUNK_SIZE = 32
 
 # sequential(inputs, steps per rematerialised group or None, precision) -> (outputs, final)
 Sequential = Callable[[Inputs, int | None, object], tuple[Array, Array]]
-# chunk_maps(chunks, precision) -> (chunk-first maps, outputs from the entering states)
+# outputs(entering states, their rows or None) -> the read steps' outputs: `(Z, H, n, K, V)`
+# states entering the chunks, with `low_rank.LowRank` maps the `(Z, H, n, C, V)` rows they give
+# where the caller has them -> `(Z, H, n, R, V)`.
+Outputs = Callable[[Array, Array | None], Array]
+# chunk_maps(chunks, precision) -> (chunk-first maps, their outputs)
 ChunkMaps = Callable[[chunks.Chunks, object],
-                     tuple[state_pass.Maps, Callable[[Array], Array]]]
+                     tuple[state_pass.Maps | low_rank.LowRank, Outputs]]
 
 
 def sanitize(arrays: Sequence[Array | None]) -> tuple[list[Array | None], Array]:
@@ -59,9 +63,9 @@ def sanitize(arrays: Sequence[Array | None]) -> tuple[list[Array | None], Array]
 
 def read_out(
     a: Array,
-    u: Array,
+    u: Array | None,
     query: Array,
-    intra: Array,
+    intra: Array | None,
     seg: chunks.Segments,
     bad: Array | None,
     bad_query: Array,
@@ -69,14 +73,17 @@ def read_out(
     precision,
     read_every: int = 1,
     reached: Array | None = None,
-) -> tuple[state_pass.Maps, Callable[[Array], Array]]:
+    solve: low_rank.Solve | None = None,
+) -> tuple[state_pass.Maps | low_rank.LowRank, Outputs]:
   """The chunks' maps and outputs, from what each recurrence computes inside its chunks.
 
   Args:
     a: `(Z, H, n, ., .)` each chunk's transition of the state (row decays or matrices).
-    u: `(Z, H, n, K, V)` the state each chunk leaves from a zero entering state.
+    u: `(Z, H, n, K, V)` the state each chunk leaves from a zero entering state (besides
+      `solve`'s rows); None for zeros, with `solve` only.
     query: `(Z, H, n, R, K)` what reads the entering state into each read step's output.
-    intra: `(Z, H, n, R, V)` each read step's output from its own chunk.
+    intra: `(Z, H, n, R, V)` each read step's output from its own chunk (besides `solve`'s
+      rows); None for zeros, with `solve` only.
     seg: the chunks' segments.
     bad: `(Z, H, n, C)` steps with a non-finite input to the state (`sanitize`), or None.
     bad_query: `(Z, H, n, R)` read steps with a non-finite query: their outputs alone are
@@ -86,25 +93,34 @@ def read_out(
     read_every: r; only steps r - 1, 2r - 1, ... of each chunk are read (R = C / r).
     reached: `(Z, H, n, C)` the steps whose outputs a non-finite input reaches, where not
       the steps whose state it reaches (a read before the step's own write); None: those.
+    solve: a solved chunk's rows (`low_rank`): the maps are then `low_rank.LowRank`.
 
   Returns:
-    The chunks' maps, and a function from the `(Z, H, n, K, V)` states entering the
-    chunks to the `(Z, H, n, R, V)` outputs of the read steps.
+    The chunks' maps, and their outputs (`Outputs`).
   """
   poisoned = None if bad is None else chunks.poisoned(bad, reset)
   if poisoned is not None:
-    u = jnp.where(poisoned[..., -1, None, None], jnp.nan, u)
-  maps = state_pass.Maps(a, u, seg.cut)
+    leaving = poisoned[..., -1, None, None]
+    u = jnp.where(leaving, jnp.nan, 0 if u is None else u)
+  if solve is None:
+    maps = state_pass.Maps(a, u, seg.cut)
+  else:
+    maps = low_rank.LowRank(a, solve.left, solve.x, solve.y, u, seg.cut)
   first = chunks.read_rows(seg.first, read_every)
   if reached is None:
     reached = poisoned
   nan_out = bad_query if reached is None else bad_query | chunks.read_rows(reached, read_every)
 
-  def outputs(entering: Array) -> Array:
-    read = lambda s: jnp.einsum("zhncd,zhnde->zhnce", query, s, precision=precision)
+  def outputs(entering: Array, rows: Array | None = None) -> Array:
+    through, inside = query, intra
+    if solve is not None and rows is None:  # G (X + Y S) as a query G Y and outputs G X
+      mix = lambda x: jnp.einsum("zhncs,zhnse->zhnce", solve.weights, x, precision=precision)
+      through, inside = query + mix(solve.y), mix(solve.x)
+      inside = inside if intra is None else inside + intra
+    read = lambda s: jnp.einsum("zhncd,zhnde->zhnce", through, s, precision=precision)
     nan = nan_out[..., None]
     if first is None:  # every step reads the entering state, as the steps would
-      out = intra + read(entering)
+      out = read(entering)
     else:
       # A non-finite entering state is zeroed before the product and the outputs that read
       # it are set to NaN after: inside the product, the zero cotangents of the steps after
@@ -112,9 +128,14 @@ def read_out(
       # resets it cost the per-key functions' gradients 5-11% (B=2 T=4096 H=4 K=V=64, CPU),
       # so it is left out there.
       finite = jnp.isfinite(entering)
-      unread = ~jnp.all(finite, axis=-2)[..., None, :] & first[..., None]  # (Z, H, n, 1, V)
-      out = intra + chunks.masked(read(jnp.where(finite, entering, 0)), first)
-      nan = nan | unread
+      unread = ~jnp.all(finite, axis=-2)[..., None, :] & first[..., None]
+      entering = jnp.where(finite, entering, 0)
+      out = chunks.masked(read(entering), first)
+      nan = nan | unread  # (Z, H, n, R, V)
+    if rows is not None:
+      out = out + jnp.einsum("zhncs,zhnse->zhnce", solve.weights, rows, precision=precision)
+    if inside is not None:
+      out = out + inside
     return jnp.where(nan, jnp.nan, out)
 
   return maps, outputs
@@ -169,11 +190,16 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, 
   def body(carry, start):
     s, out = carry
     maps, outputs = chunk_maps(chunks.split(padded, size, start, span, groups), precision)
-    entering = []
+    entering, rows = [], []
     for i in range(span // size):
       entering.append(s)
-      s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
-    window = chunks.merge(outputs(jnp.stack(entering, axis=2)), groups)
+      if isinstance(maps, low_rank.LowRank):
+        s, x = low_rank.advance(low_rank.chunk(maps, i), s, precision)
+        rows.append(x)
+      else:
+        s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
+    window = outputs(jnp.stack(entering, axis=2), jnp.stack(rows, axis=2) if rows else None)
+    window = chunks.merge(window, groups)
     row = start if every == 1 else start // every
     return (s, lax.dynamic_update_slice_in_dim(out, window, row, axis=1)), None
 
@@ -183,22 +209,27 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, 
   return out[:, :x.q.shape[1] // every], _ungrouped(final, groups)
 
 
+def _dense(maps: state_pass.Maps | low_rank.LowRank, precision) -> state_pass.Maps:
+  """`maps` as `state_pass` combines them: low-rank maps as matrices."""
+  return low_rank.dense(maps, precision) if isinstance(maps, low_rank.LowRank) else maps
+
+
 def _tree(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, every: int):
   """Every chunk at once, the chunk maps combined as a tree; the outputs of every `every`-th
   step."""
   groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
   maps, outputs = chunk_maps(chunks.split(chunks.pad(x, size), size, groups=groups), precision)
-  entering, final = state_pass.run(maps, _grouped(x.state, groups), matrix=matrix,
-                                   precision=precision)
-  return (chunks.merge(outputs(entering), groups)[:, :x.q.shape[1] // every],
+  entering, final = state_pass.run(_dense(maps, precision), _grouped(x.state, groups),
+                                   matrix=matrix, precision=precision)
+  return (chunks.merge(outputs(entering, None), groups)[:, :x.q.shape[1] // every],
           _ungrouped(final, groups))
 
 
 def _device_map(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, tree: bool,
                 precision) -> state_pass.Maps:
   """The map this device's slice applies to the state entering it."""
-  fold = lambda c: state_pass.fold(chunk_maps(c, precision)[0], matrix=matrix,
-                                   precision=precision)
+  fold = lambda c: state_pass.fold(_dense(chunk_maps(c, precision)[0], precision),
+                                   matrix=matrix, precision=precision)
   if tree:
     return fold(chunks.split(chunks.pad(x, size), size))
   padded, span, starts = _windows(x, size)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src.matrix_state import chunks, common, steps, triangular
+from ssmkit._src.matrix_state import chunks, common, low_rank, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
 from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Mode
 
@@ -46,7 +46,7 @@ def _sequential(x: Inputs, size: int | None, precision, per_token: int = 1) -> t
 
 
 def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool = False):
-  """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
+  """The chunks' maps (`low_rank.LowRank`, rows x = u) and the outputs from entering states.
 
   Inside a chunk with cumulative log-decay b, the writes u_t = beta_t (v_t - k_t
   diag(exp(g_t)) S_{t-1}) solve the unit lower-triangular system
@@ -99,19 +99,14 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool
     k_out = k * jnp.exp(total[:, :, :, None] - b)
     a = jnp.exp(total)[..., None]
   rows = beta[..., None]
-  rhs = jnp.concatenate([v, chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)
+  rhs = jnp.concatenate([v, -chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)
   solved = triangular.unit_lower_solve(rows * interact, rows * rhs, precision)
   dim_v = v.shape[-1]
-  u_zero, w = solved[..., :dim_v], solved[..., dim_v:]
-  k_out = chunks.masked(k_out, seg.last)
-  eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None, None]
-  m = a * eye - jnp.einsum("zhnsd,zhnse->zhnde", k_out, w, precision=precision)
-  u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, u_zero, precision=precision)
-  # o = weights (U - W S_0) + exp(b) q S_0 = weights U + (exp(b) q - weights W) S_0: the
-  # entering state is read once, through a query per step.
-  intra = jnp.einsum("zhncs,zhnse->zhnce", weights, u_zero, precision=precision)
-  query = q_in - jnp.einsum("zhncs,zhnsd->zhncd", weights, w, precision=precision)
-  return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision, read_every)
+  # The writes U - W S_0 are the rows: o = weights (U - W S_0) + exp(b) q S_0.
+  solve = low_rank.Solve(chunks.masked(k_out, seg.last), solved[..., :dim_v],
+                         solved[..., dim_v:], weights)
+  return common.read_out(a, None, q_in, None, seg, bad, bad_query, reset, precision, read_every,
+                         solve=solve)
 
 
 def delta_rule(

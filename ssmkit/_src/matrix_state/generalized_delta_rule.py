@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ssmkit._src.matrix_state import chunks, common, steps, triangular
+from ssmkit._src.matrix_state import chunks, common, low_rank, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
 from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Mode
 
@@ -36,14 +36,14 @@ def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
 
 
 def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
-  """The chunks' maps S -> M S + U (M a `(K, K)` matrix) and the outputs from entering states.
+  """The chunks' maps (`low_rank.LowRank`, rows x = w) and the outputs from entering states.
 
   Inside a chunk with cumulative per-key log-decays B_t (and B_{t-1} before step t), the
   reads w_t = a_t S_{t-1} solve the unit lower-triangular system
   (I - L) w = P v + (a exp(B_{t-1})) S_0, with L_ts = sum_d a_td b_sd exp(B_{t-1,d} - B_sd)
   and P_ts the same with k for b, s < t. Solving once for both right-hand sides gives
   w = W + R S_0 for any entering state S_0; the chunk is then linear attention with keys
-  [b, k] and values [w, v].
+  [b, k] and values [w, v]: the state leaves as exp(B_C) S_0 + b_out^T w + k_out^T v.
   """
   q, k, v, a, b, g, reset = c.q, c.k, c.v, c.a, c.b, c.log_decay, c.reset
   seg = chunks.segments(reset, q.shape[3])
@@ -64,19 +64,16 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   ab, ak = (jnp.where(seg.strict, x, 0) for x in (ab, ak))
   qb, qk = (jnp.where(seg.causal, x, 0) for x in (qb, qk))
   mix = lambda s, x: jnp.einsum("zhncs,zhnse->zhnce", s, x, precision=precision)
-  outer = lambda x, y: jnp.einsum("zhnsd,zhnse->zhnde", x, y, precision=precision)
   rhs = jnp.concatenate([mix(ak, v), chunks.masked(a * jnp.exp(before), seg.first)],
                         axis=-1)  # (Z, H, n, C, V + K)
   solved = triangular.unit_lower_solve(-ab, rhs, precision)
   dim_v = v.shape[-1]
   w, r = solved[..., :dim_v], solved[..., dim_v:]
   b_out, k_out = (chunks.masked(x * jnp.exp(total - after), seg.last) for x in (b, k))
-  eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None, None]
-  m = jnp.exp(total[:, :, :, 0])[..., None] * eye + outer(b_out, r)
-  u = outer(b_out, w) + outer(k_out, v)
-  intra = mix(qb, w) + mix(qk, v)
-  query = q * jnp.exp(after) + mix(qb, r)
-  return common.read_out(m, u, query, intra, seg, bad, bad_query, reset, precision)
+  u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, v, precision=precision)
+  decay = jnp.exp(total[:, :, :, 0])[..., None]  # (Z, H, n, K, 1)
+  return common.read_out(decay, u, q * jnp.exp(after), mix(qk, v), seg, bad, bad_query, reset,
+                         precision, solve=low_rank.Solve(b_out, w, r, qb))
 
 
 def generalized_delta_rule(
