@@ -607,24 +607,30 @@ def test_rwkv7_model_passes_the_first_layers_values_to_every_later_layer(scan_bl
   _assert_close(y, expected, rtol=1e-4)
 
 
+def _assert_rwkv7_depth(p, features, head_dim, index, count):
+  """The reference's depth-dependent starting values (fla's RWKV7Attention._initialize_weights)."""
+  p = {name: np.asarray(v, np.float64) for name, v in p.items()}
+  n = np.arange(features)
+  linear = n / (features - 1) - 0.5
+  zigzag = ((n % head_dim) - (head_dim - 1) / 2) / ((head_dim - 1) / 2)
+  zigzag = zigzag * np.abs(zigzag)
+  late = 1 - index / count
+  np.testing.assert_allclose(p["x_w"], 1 - (n / features)**(0.9 * late), atol=1e-6)
+  np.testing.assert_allclose(p["x_g"], 1 - (n / features)**(0.2 * late), atol=1e-6)
+  np.testing.assert_allclose(p["k_k"], 0.71 - 0.1 * linear, atol=1e-6)
+  www = -6 + 6 * (n / (features - 1))**(1 + (index / max(count - 1, 1))**0.3)
+  np.testing.assert_allclose(p["w_bias"], www + 0.5 + 2.5 * zigzag, atol=1e-5)
+  np.testing.assert_allclose(p["a_bias"], -0.19 + 0.3 * zigzag + 0.4 * linear, atol=1e-6)
+  np.testing.assert_allclose(p["norm_scale"], ((index + 1) / count)**0.7, atol=1e-6)
+
+
 def test_rwkv7_initialisation_follows_the_reference():
   features, head_dim = 256, 64
   for index, count in ((0, 12), (5, 12), (11, 12)):
     layer = layers.RWKV7(head_dim=head_dim, layer_index=index, num_layers=count)
-    p = {name: np.asarray(v, np.float64)
-         for name, v in compiled.init(layer, _x((4, features)).shape, 14)["params"].items()}
-    n = np.arange(features)
-    linear = n / (features - 1) - 0.5
-    zigzag = ((n % head_dim) - (head_dim - 1) / 2) / ((head_dim - 1) / 2)
-    zigzag = zigzag * np.abs(zigzag)
-    late = 1 - index / count
-    np.testing.assert_allclose(p["x_w"], 1 - (n / features)**(0.9 * late), atol=1e-6)
-    np.testing.assert_allclose(p["x_g"], 1 - (n / features)**(0.2 * late), atol=1e-6)
-    np.testing.assert_allclose(p["k_k"], 0.71 - 0.1 * linear, atol=1e-6)
-    www = -6 + 6 * (n / (features - 1))**(1 + (index / (count - 1))**0.3)
-    np.testing.assert_allclose(p["w_bias"], www + 0.5 + 2.5 * zigzag, atol=1e-5)
-    np.testing.assert_allclose(p["a_bias"], -0.19 + 0.3 * zigzag + 0.4 * linear, atol=1e-6)
-    np.testing.assert_allclose(p["norm_scale"], ((index + 1) / count)**0.7, atol=1e-6)
+    p = compiled.init(layer, _x((4, features)).shape, 14)["params"]
+    _assert_rwkv7_depth(p, features, head_dim, index, count)
+    p = {name: np.asarray(v, np.float64) for name, v in p.items()}
   assert np.all(p["k_a"] == np.float32(1.02)) and np.all(p["r_k"] == np.float32(-0.04))
   assert not np.any(p["o_proj"]) and not np.any(p["w_down"]) and not np.any(p["g_down"])
   # Orthogonal projections: r and v of gain 1, k of gain 0.1; the LoRAs' ways up of gain 0.1.
@@ -637,6 +643,32 @@ def test_rwkv7_initialisation_follows_the_reference():
     layers.RWKV7(head_dim=5).init(jax.random.key(0), _x((4, 8)))
   with pytest.raises(ValueError, match="`layer_index` must be in"):
     layers.RWKV7(head_dim=4, layer_index=2, num_layers=2).init(jax.random.key(0), _x((4, 8)))
+
+
+def test_sequence_model_starts_rwkv7_blocks_at_their_depth():
+  from flax import nnx
+
+  from ssmkit import nnx as snx
+  features, head_dim, count = 16, 4, 3
+  x = _x((2, 5, features))
+  make = functools.partial(layers.RWKV7, head_dim=head_dim)
+  model = lambda **options: layers.SequenceModel(2, layer=make, features=features, num_blocks=count,
+                                                 **options)
+  p = model().init(jax.random.key(0), x)["params"]
+  for i in range(count):
+    _assert_rwkv7_depth(p[f"block_{i}"]["ssm"], features, head_dim, i, count)
+  # A factory that sets the depth keeps it; scanned blocks all start as the first.
+  fixed = layers.SequenceModel(2, layer=functools.partial(make, layer_index=0), features=features,
+                               num_blocks=count).init(jax.random.key(0), x)["params"]
+  _assert_rwkv7_depth(fixed["block_2"]["ssm"], features, head_dim, 0, count)
+  scanned = model(scan_blocks=True).init(jax.random.key(0), x)["params"]["blocks"]["block"]["ssm"]
+  for i in range(count):
+    _assert_rwkv7_depth({name: v[i] for name, v in scanned.items()}, features, head_dim, 0, count)
+  nnx_model = snx.SequenceModel(features, 2, layer=functools.partial(snx.RWKV7, head_dim=head_dim),
+                                features=features, num_blocks=count, rngs=nnx.Rngs(0))
+  for i in range(count):
+    params = nnx.state(nnx_model.blocks[i].ssm, nnx.Param)
+    _assert_rwkv7_depth({name: v.value for name, v in params.items()}, features, head_dim, i, count)
 
 
 def _mamba3_reference(p, x, reset, *, d_state, head_dim, mimo_rank=None, outproj_norm=False,

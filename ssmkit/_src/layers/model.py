@@ -71,6 +71,22 @@ def layer_pattern(layer: Any) -> tuple[Callable[..., Any], ...]:
                    f"cycled over the blocks), got {layer!r}.")
 
 
+def block_layer(model: Any, index: int) -> Callable[..., Any]:
+  """The layer factory of block `index` of a `SequenceModel` of either front end: its pattern's,
+  cycled over the blocks. A layer whose starting parameters depend on its depth (RWKV7's
+  `layer_index` of `num_layers`, as flash-linear-attention's model numbers its layers) is placed
+  at block `index` of `num_blocks`, where its factory leaves those out.
+  """
+  pattern = layer_pattern(model.layer)
+  make = pattern[index % len(pattern)]
+  cls = getattr(make, "func", make)
+  fields = getattr(getattr(cls, "linen", cls), "__dataclass_fields__", {})
+  given = getattr(make, "keywords", {})
+  depth = {name: value for name, value in (("layer_index", index), ("num_layers", model.num_blocks))
+           if name in fields and name not in given and index < model.num_blocks}
+  return functools.partial(make, **depth) if depth else make
+
+
 def check_model(model: Any) -> None:
   """Checks the options of a `SequenceModel` of either front end against each other.
 
@@ -170,7 +186,10 @@ class SequenceModel(nn.Module):
   Attributes:
     num_outputs: classes, or the output vocabulary of a language model.
     layer: factory of the sequence layer, e.g. `functools.partial(ssmkit.layers.S5, d_state=32)`,
-      or a sequence of factories cycled over the blocks.
+      or a sequence of factories cycled over the blocks. A layer whose starting parameters
+      depend on its depth (RWKV7's `layer_index` and `num_layers`) starts as block i of
+      `num_blocks` unless its factory sets them; with `scan_blocks`, every repeat of the
+      pattern starts as the first.
     features: model width H.
     num_blocks: number of residual blocks.
     vocab_size: input vocabulary for token inputs; None for real-valued inputs.
@@ -231,11 +250,14 @@ class SequenceModel(nn.Module):
       object.__setattr__(self, "layer", tuple(self.layer))
     super().__post_init__()
 
-  def _blocks(self) -> tuple[ModuleDef, ...]:
-    """One block factory per position of the layer pattern."""
+  def _block(self, index: int) -> ModuleDef:
+    """The factory of block `index` (`block_layer`)."""
     cls = SSMBlock if self.block == "ssm" else MixerBlock
-    return tuple(functools.partial(cls, layer=make, **block_options(self))
-                 for make in layer_pattern(self.layer))
+    return functools.partial(cls, layer=block_layer(self, index), **block_options(self))
+
+  def _blocks(self) -> tuple[ModuleDef, ...]:
+    """One block factory per position of the layer pattern, as in its first repeat."""
+    return tuple(self._block(j) for j in range(len(layer_pattern(self.layer))))
 
   def _scanned(self, blocks: tuple[ModuleDef, ...], length: int, name: str, **flags: Any) -> nn.Module:
     scan = nn.scan(
@@ -254,7 +276,7 @@ class SequenceModel(nn.Module):
     if not self.scan_blocks:
       states = []
       for i in range(self.num_blocks):
-        block = blocks[i % len(blocks)](name=f"block_{i}")
+        block = self._block(i)(name=f"block_{i}")
         (block_state, shared), x = block.forward(x, mask, reset, None if state is None else state[i],
                                                  value_residual=shared, **flags)
         states.append(block_state)

@@ -250,7 +250,8 @@ class RWKV7(functional.LinenLayer):
       bottlenecks of the decay, of a, of the value residual's mix and of the gate; None: the
       reference's defaults (32 and up, growing as sqrt(H)).
     layer_index, num_layers: the layer's place in its model, which sets its starting
-      parameters as the reference's (they change nothing else).
+      parameters as the reference's (they change nothing else); `SequenceModel` sets them
+      to the block's place where the factory leaves them out.
     norm_eps: the GroupNorm's epsilon per key channel.
     chunk_size: steps per chunk of the chunkwise algorithm; default 32.
     param_dtype: dtype of the parameters.

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ssmkit._src.layers.model import (
+  block_layer,
   block_options,
   cap_logits,
   check_inputs,
@@ -136,11 +137,12 @@ class SequenceModel(nnx.Module):
     else:
       self.encoder = nnx.Embed(vocab_size, features, rngs=rngs, **precision)
     cls = SSMBlock if block == "ssm" else MixerBlock
-    blocks = [functools.partial(cls, features, layer=make, **block_options(self))
-              for make in layer_pattern(layer)]
+    make_block = lambda i: functools.partial(cls, features, layer=block_layer(self, i),
+                                             **block_options(self))
+    blocks = [make_block(j) for j in range(len(layer_pattern(layer)))]  # the first repeat
     tail = None
     if not scan_blocks:
-      self.blocks = nnx.List([blocks[i % len(blocks)](rngs=rngs) for i in range(num_blocks)])
+      self.blocks = nnx.List([make_block(i)(rngs=rngs) for i in range(num_blocks)])
     elif callable(layer):
       self.blocks = _stacked_blocks(lambda rngs: blocks[0](rngs=rngs), num_blocks, rngs)
     else:
