@@ -502,11 +502,13 @@ def test_a_decoding_step_runs_no_chunk_machinery(kind, backend, monkeypatch):
 
 @pytest.mark.parametrize("kind, rows, length, values", [
     (KINDS[2], 1, 64, "chunked"), (KINDS[5], 2, 1 << 14, "chunked"), (KINDS[5], 2, 1 << 13, "steps"),
-    (KINDS[7], 2, 1 << 14, "steps")], ids=["gla", "kda-from-2^15", "kda-below", "deltaproduct"])
+    (KINDS[7], 2, 1 << 13, "chunked"), (KINDS[7], 2, 1 << 12, "steps")],
+    ids=["gla", "kda-from-2^15", "kda-below", "deltaproduct-from-2^15", "deltaproduct-below"])
 def test_auto_computes_values_chunked_where_that_is_faster_on_cpu(kind, rows, length, values):
   """On CPU, "auto" runs the chunked loop alone (values and derivatives) for linear attention
-  from 64 steps and for the delta rules from 2^15 (batch row, head, step) triples; below, and
-  for the delta product, its values come from the step loop (traced only, not compiled)."""
+  from 64 steps and for the delta rules from 2^15 (batch row, head, step) triples, the delta
+  product's interleaved steps counted; below, its values come from the step loop (traced only,
+  not compiled)."""
   x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
                    _inputs(np.random.default_rng(15), kind, (rows,), length, heads=1, dim_k=2,
                            dim_v=2))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 
 import jax
@@ -202,14 +201,12 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   With `read_every` r (`delta_product`'s tokens of r steps), only the outputs of steps
   r - 1, 2r - 1, ... are returned (`common.evaluate`), and only the first step of each r has
   a decay or a reset: the step loop takes r steps per iteration, and the chunked forms skip
-  the other steps' queries when a chunk holds whole groups of r steps; "auto" computes its
-  values step by step at every length.
+  the other steps' queries when a chunk holds whole groups of r steps.
   """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
   default = common.SOLVED_CHUNK_SIZE if per_key else common.DEFAULT_CHUNK_SIZE
-  chunked_values_from = DELTA_VALUES_CHUNKED_FROM if read_every == 1 else math.inf
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
-                         per_key_scores=per_key, chunked_values_from=chunked_values_from,
+                         per_key_scores=per_key, chunked_values_from=DELTA_VALUES_CHUNKED_FROM,
                          read_every=read_every)
