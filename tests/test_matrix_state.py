@@ -207,6 +207,19 @@ def test_nan_or_inf_before_a_reset_never_leaks_past_it(kind, name):
     assert np.all(np.isfinite(np.asarray(out)[:, 14:]))
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_non_finite_state_spreads_as_the_steps_spread_it(kind):
+  """An Inf in the entering state with `reset` given but never set: the outputs and the final
+  state are non-finite exactly where the float64 loop's are (with resets, the chunks read the
+  state with its non-finite entries zeroed and restore them after)."""
+  x = _poisoned(kind, "initial_state", 20, bad=None, resets=())
+  expected, expected_final = _reference(kind, x)
+  for mode, chunk in LAYOUTS[:-1]:
+    out, final = _jitted(kind, mode, chunk)(x)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(expected))
+    np.testing.assert_array_equal(np.isfinite(final), np.isfinite(expected_final))
+
+
 def test_delta_product_with_one_decay_per_key_reads_only_its_tokens_last_steps():
   """The chunked forms score only the steps that are read: each token's last; with one decay
   per key channel too (every query is scored there, the read rows kept), across resets and a

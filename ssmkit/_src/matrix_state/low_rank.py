@@ -73,13 +73,21 @@ def advance(m: LowRank, s: Array, precision) -> tuple[Array, Array]:
   With resets, the rows read `s` with its non-finite entries zeroed, as the outputs do
   (`common.read_out`): only the steps before a chunk's first reset read `s`, and a NaN they
   read must not reach the others through a product. With a cut, L is zero on those steps, so
-  A S, zeroed first, is all that could carry a NaN in `s` across the reset.
+  A S, zeroed first, is all that could carry a NaN in `s` across the reset; without one, the
+  columns of `s` with a non-finite entry leave as NaN, as the steps (and the matrix) spread it.
   """
-  read = s if m.cut is None else jnp.where(jnp.isfinite(s), s, 0)
+  if m.cut is None:
+    read, spread = s, None
+  else:
+    finite = jnp.isfinite(s)
+    read = jnp.where(finite, s, 0)
+    spread = ~jnp.all(finite, axis=-2, keepdims=True) & ~m.cut[..., None, None]  # (Z, H, 1, V)
   x = m.x + jnp.einsum("...ck,...kv->...cv", m.y, read, precision=precision)
   new = m.a * state_pass.cut_off(m.cut, s) + jnp.einsum("...ck,...cv->...kv", m.left, x,
                                                          precision=precision)
-  return (new if m.u is None else new + m.u), x
+  if m.u is not None:
+    new = new + m.u
+  return (new if spread is None else jnp.where(spread, jnp.nan, new)), x
 
 
 def dense(m: LowRank, precision) -> state_pass.Maps:
