@@ -193,8 +193,8 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, 
     for i in range(span // size):
       entering.append(s)
       if isinstance(maps, low_rank.LowRank):
-        s, x = low_rank.advance(low_rank.chunk(maps, i), s, precision)
-        rows.append(x)
+        s, chunk_rows = low_rank.advance(low_rank.chunk(maps, i), s, precision)
+        rows.append(chunk_rows)
       else:
         s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
     window = outputs(jnp.stack(entering, axis=2), jnp.stack(rows, axis=2) if rows else None)
