@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import jax
+import jaxlib.version
 import pytest
 
 import multi_device
@@ -30,11 +31,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA's CPU fusion emitters and parallel code generation cost the small programs of the
 # tests more compile time than they save (measured: test_models 86 s -> 54 s, one process).
-# Read when the backend starts; a flag the user set in XLA_FLAGS wins.
+# Read when the backend starts; a flag the user set in XLA_FLAGS wins. jaxlib 0.11 no longer
+# knows them, and jaxlib aborts every process whose XLA_FLAGS names a flag it does not know,
+# so they are asked for only from the jaxlib releases that have them.
 _CPU_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
-_user_flags = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in _CPU_COMPILE_FLAGS if f.split("=")[0] not in _user_flags] + [_user_flags]).strip()
+if jaxlib.version.__version_info__[:2] < (0, 11):
+  _user_flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = " ".join(
+      [f for f in _CPU_COMPILE_FLAGS if f.split("=")[0] not in _user_flags] + [_user_flags]).strip()
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))

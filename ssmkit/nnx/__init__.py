@@ -6,9 +6,13 @@
     model = ssmkit.nnx.from_linen(linen_module, variables)   # and back: ssmkit.nnx.to_linen(model)
 """
 
-from ssmkit._src.nnx.block import MixerBlock, SSMBlock
-from ssmkit._src.nnx.convert import from_linen, to_linen
-from ssmkit._src.nnx.layers import (
+from ssmkit._src.nnx.importable import require_nnx
+
+require_nnx()
+
+from ssmkit._src.nnx.block import MixerBlock, SSMBlock  # noqa: E402
+from ssmkit._src.nnx.convert import from_linen, to_linen  # noqa: E402
+from ssmkit._src.nnx.layers import (  # noqa: E402
     LRU,
     RGLRU,
     RWKV7,
@@ -25,7 +29,7 @@ from ssmkit._src.nnx.layers import (
     MinGRU,
     front_end,
 )
-from ssmkit._src.nnx.model import SequenceModel, generate
+from ssmkit._src.nnx.model import SequenceModel, generate  # noqa: E402
 
 __all__ = [
     "LRU",
