@@ -93,6 +93,36 @@ def test_resets_h0_and_dtypes_match_float64_loop(kwargs, dtype, reverse):
   _assert_close(last, expected[0 if reverse else -1], dtype)
 
 
+@pytest.mark.parametrize("kwargs", [m for m in MODES if m.get("inner") != "cumsum"],
+                         ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_reset_cuts_every_input_before_it_exactly(kwargs, dtype, reverse):
+  """The states from a reset on (in scan order), and the final state, are the same to the last
+  bit whatever came before it: every input before the reset and h0 changed (the programs of
+  the test above)."""
+  rng = np.random.default_rng(2)
+  a, b = _inputs(rng, (29, 2, 3), dtype)
+  h0 = _inputs(rng, (2, 3), dtype)[1]
+  reset = np.zeros((29, 2, 1), bool)
+  first = [13, 9]  # each row's reset: inside a chunk of 4, of 5 and of the default size
+  for row, t in enumerate(first):
+    reset[t, row] = True
+  before = lambda row: slice(first[row] + 1, None) if reverse else slice(None, first[row])
+  after = lambda row: slice(None, first[row] + 1) if reverse else slice(first[row], None)
+  a2, b2 = a.copy(), b.copy()
+  other_a, other_b = _inputs(rng, (29, 2, 3), dtype)
+  for row in range(2):
+    a2[before(row), row], b2[before(row), row] = other_a[before(row), row], other_b[before(row), row]
+  run = lambda a, b, h0: recurrence(a, b, h0, reset=reset, reverse=reverse,
+                                    return_final_state=True, **kwargs)
+  (h, last), (h2, last2) = run(a, b, h0), run(a2, b2, 2 * h0)
+  for row in range(2):
+    np.testing.assert_array_equal(h[after(row), row], h2[after(row), row])
+    assert not np.allclose(h[before(row), row], h2[before(row), row])
+  np.testing.assert_array_equal(last, last2)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     length=st.integers(0, 40),

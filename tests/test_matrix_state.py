@@ -146,23 +146,50 @@ def test_resets_at_chunk_edges_and_inside_chunks(kind):
     _assert_close(final, expected_final, TOL64)
 
 
+# Decays whose chunk scores take each path of `chunks.per_key_scores` in the chunks of 16 steps:
+# one product (float64), blocks of 8 steps, and step pair by step pair (float32).
+CUT_DECAYS = [((0.0, 1.0), np.float64), ((4.0, 6.0), np.float32), ((47.0, 50.0), np.float32)]
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_reset_cuts_every_information_before_it(kind):
-  """Outputs after a reset depend on nothing before it: changing the past changes nothing."""
-  rng = np.random.default_rng(4)
-  x = _inputs(rng, kind, (), 40, reset_rate=0.0)
-  x["reset"][21] = True
-  y = dict(x, initial_state=x["initial_state"] + 5.0)
-  for name in ("q", "k", "v", "log_decay", "beta", "a", "b"):
-    if y[name] is not None:
-      y[name] = y[name].copy()
-      y[name][:21] = x[name][:21] * 0.5
-  for mode in ("sequential", "chunked", "parallel"):
-    out_x, final_x = _jitted(kind, mode, CHUNK)(x)
-    out_y, final_y = _jitted(kind, mode, CHUNK)(y)
-    np.testing.assert_allclose(out_x[21:], out_y[21:], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(final_x, final_y, rtol=1e-12, atol=1e-12)
-    assert not np.allclose(out_x[:21], out_y[:21])
+def test_reset_cuts_every_information_before_it_exactly(kind):
+  """Outputs at and after a reset, the final state and the gradients of the inputs from the
+  reset on are the same to the last bit whatever came before it, in every mode: each document
+  of a packed row is computed as if alone. The resets fall inside chunks (of 4, 5, 8 and 16
+  steps, and of "auto"'s 64 or 32), and every input before them changes, the initial state
+  too."""
+  first = [26, 21]  # each row's first reset; row 1 has a second one at 50
+  for decay, dtype in CUT_DECAYS:
+    x = _inputs(np.random.default_rng(4), kind, (2,), 70, reset_rate=0.0, decay=decay)
+    x["reset"][0, first[0]] = x["reset"][1, first[1]] = x["reset"][1, 50] = True
+    other = _inputs(np.random.default_rng(5), kind, (2,), 70, reset_rate=0.0, decay=decay)
+    y = dict(x, initial_state=other["initial_state"])
+    for name in ("q", "k", "v", "log_decay", "beta", "a", "b"):
+      if y[name] is not None:
+        y[name] = y[name].copy()
+        for row, start in enumerate(first):
+          y[name][row, :start] = other[name][row, :start]
+    x, y = ({n: a if a is None or n == "reset" else a.astype(dtype) for n, a in d.items()}
+            for d in (x, y))
+    for mode in MODES:
+      out_x, final_x = _jitted(kind, mode, _chunk(mode))(x)
+      out_y, final_y = _jitted(kind, mode, _chunk(mode))(y)
+      for row, start in enumerate(first):
+        np.testing.assert_array_equal(out_x[row, start:], out_y[row, start:], err_msg=mode)
+        assert not np.allclose(out_x[row, :start], out_y[row, :start], atol=0)
+      np.testing.assert_array_equal(final_x, final_y, err_msg=mode)
+    # The loss reads the outputs from the first reset on (the gradient tests' programs).
+    read = np.arange(70)[None] >= np.array(first)[:, None]
+    names = tuple(_differentiable(x))
+    for mode, chunk in LAYOUTS if dtype == np.float64 else LAYOUTS[1:3]:
+      grad = _derivatives(_jitted(kind, mode, chunk), names)[0]
+      grads_x, grads_y = (grad(tuple(d[n] for n in names), dict(d, read=read)) for d in (x, y))
+      for name, got_x, got_y in zip(names, grads_x, grads_y, strict=True):
+        if name == "initial_state":  # before every reset
+          continue
+        for row, start in enumerate(first):
+          np.testing.assert_array_equal(got_x[row, start:], got_y[row, start:],
+                                        err_msg=f"{mode} {name}")
 
 
 NON_FINITE_CASES = [

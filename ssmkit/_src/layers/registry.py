@@ -37,6 +37,8 @@ class Entry(NamedTuple):
     test_configs: small configurations (keyword arguments) for inputs of 4 to 8 channels
       that the contract tests build the layer with: the first is the layer's own, the
       others variants that take other paths of its code (a discretisation, a block layout).
+      A chunked layer's own takes chunks of 4 steps, so the contract's sequences of 13 span
+      several chunks with resets inside them.
   """
 
   layer: type[LinenLayer]
@@ -49,14 +51,17 @@ LAYERS: dict[str, Entry] = {
     "s5": Entry(S5, ({"d_state": 8},
                      {"d_state": 6, "blocks": 2, "conj_sym": False, "discretization": "bilinear"})),
     "mamba": Entry(Mamba, ({"d_state": 4, "d_conv": 3},)),
-    "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3},)),
-    "mamba3": Entry(Mamba3, ({"d_state": 4, "head_dim": 2},
+    "mamba2": Entry(Mamba2, ({"d_state": 4, "head_dim": 2, "n_groups": 2, "d_conv": 3,
+                              "chunk_size": 4},)),
+    "mamba3": Entry(Mamba3, ({"d_state": 4, "head_dim": 2, "chunk_size": 4},
                              {"d_state": 4, "head_dim": 4, "mimo_rank": 2, "outproj_norm": True})),
-    "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3},)),
-    "kimi_delta_attention": Entry(KimiDeltaAttention, ({"num_heads": 2, "expand_v": 2, "d_conv": 3},)),
-    "gated_delta_product": Entry(GatedDeltaProduct, ({"num_heads": 2, "expand_v": 1, "d_conv": 3},)),
+    "gated_deltanet": Entry(GatedDeltaNet, ({"num_heads": 2, "d_conv": 3, "chunk_size": 4},)),
+    "kimi_delta_attention": Entry(KimiDeltaAttention, ({"num_heads": 2, "expand_v": 2, "d_conv": 3,
+                                                        "chunk_size": 4},)),
+    "gated_delta_product": Entry(GatedDeltaProduct, ({"num_heads": 2, "expand_v": 1, "d_conv": 3,
+                                                      "chunk_size": 4},)),
     "rwkv7": Entry(RWKV7, ({"head_dim": 2, "decay_low_rank_dim": 3, "a_low_rank_dim": 2,
-                            "gate_low_rank_dim": 3},)),
+                            "gate_low_rank_dim": 3, "chunk_size": 4},)),
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
     "attention": Entry(Attention, (

@@ -4,9 +4,11 @@ A sequence `(Z, T, H, ...)` is split into n chunks of C steps `(Z, H, n, C, ...)
 last one padded with steps that leave the state unchanged (zero keys, values and write
 strengths, zero log-decay). Inside a chunk, `reset` flags split the steps into segments:
 segment 0 continues the state that enters the chunk, the last segment is what the chunk
-leaves. Decays between two steps of a segment are differences of the chunk's cumulative
-log-decay b_t = g_0 + ... + g_t, exponentiated only where they are <= 0 (s <= t), so
-nothing overflows and no product of decays underflows on the way.
+leaves. Decays between two steps of a segment are differences of the segment's cumulative
+log-decay b_t = g_r + ... + g_t (r its first step), exponentiated only where they are <= 0
+(s <= t), so nothing overflows and no product of decays underflows on the way. The sums
+restart at each reset, so a segment's decays, and every output and state after a reset,
+are the same to the last bit whatever came before it.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class Segments(NamedTuple):
       axis) reaches step t: s <= t in the same segment.
     strict: `causal` without the diagonal (s < t).
     cut: `(Z, 1, n)` True where a reset cuts the chunk from the state entering it, or None.
+    index: `(Z, 1, n, C)` each step's segment (the resets at or before it), or None.
   """
 
   first: Array | None
@@ -125,6 +128,7 @@ class Segments(NamedTuple):
   causal: Array
   strict: Array
   cut: Array | None
+  index: Array | None
 
 
 def segments(reset: Array | None, size: int) -> Segments:
@@ -132,27 +136,48 @@ def segments(reset: Array | None, size: int) -> Segments:
   lower = jnp.tril(jnp.ones((1, 1, 1, size, size), bool))
   diagonal = jnp.eye(size, dtype=bool)[None, None, None]
   if reset is None:
-    return Segments(None, None, lower, lower & ~diagonal, None)
+    return Segments(None, None, lower, lower & ~diagonal, None, None)
   index = jnp.cumsum(reset, axis=-1, dtype=jnp.int32)
   causal = lower & (index[..., :, None] == index[..., None, :])
   return Segments(index == 0, index == index[..., -1:], causal, causal & ~diagonal,
-                  index[..., -1] > 0)
+                  index[..., -1] > 0, index)
 
 
-def cumulative(g: Array) -> Array:
-  """b_t = g_0 + ... + g_t along the chunk axis 3 of `(Z, H, n, C, ...)`.
+def cumulative(g: Array, seg: Segments) -> Array:
+  """b_t = g_r + ... + g_t along the chunk axis 3 of `(Z, H, n, C, ...)`, from the first step
+  r of t's segment (`seg`): the sums restart at each reset.
 
-  One product with a lower-triangular matrix of ones, in full precision: XLA's CPU cumulative
-  sum (a windowed reduction) took a twentieth of KDA's gradient at B=2 T=4096 H=4 K=V=64.
-  Per key, the triangle is batched over the chunks so that the sums come out in their layout:
-  a product over the free axes put C last and cost a transpose (KDA's gradient: 178-181 ms
-  against 190-199 ms).
+  One product with the segments' lower-triangular mask of ones, in full precision: XLA's CPU
+  cumulative sum (a windowed reduction) took a twentieth of KDA's gradient at B=2 T=4096 H=4
+  K=V=64. The mask's zeros meet the steps of other segments, whose terms add exact zeros, so
+  no rounding of an earlier segment reaches a later one. Per key, the triangle is batched over
+  the chunks so that the sums come out in their layout: a product over the free axes put C
+  last and cost a transpose (KDA's gradient: 178-181 ms against 190-199 ms).
   """
-  ones = jnp.tril(jnp.ones((g.shape[3],) * 2, g.dtype))
-  if g.ndim == 4:  # (Z, H, n, C): the rows times the triangle's transpose
-    return jnp.einsum("zhns,ts->zhnt", g, ones, precision=lax.Precision.HIGHEST)
-  return jnp.matmul(jnp.broadcast_to(ones, (*g.shape[:3], *ones.shape)), g,
-                    precision=lax.Precision.HIGHEST)
+  if seg.index is None:
+    ones = jnp.tril(jnp.ones((g.shape[3],) * 2, g.dtype))
+    if g.ndim == 4:  # (Z, H, n, C): the rows times the triangle's transpose
+      return jnp.einsum("zhns,ts->zhnt", g, ones, precision=lax.Precision.HIGHEST)
+    ones = jnp.broadcast_to(ones, (*g.shape[:3], *ones.shape))
+  else:
+    ones = jnp.broadcast_to(seg.causal.astype(g.dtype), (*g.shape[:3], *seg.causal.shape[-2:]))
+    if g.ndim == 4:
+      return jnp.einsum("zhnts,zhns->zhnt", ones, g, precision=lax.Precision.HIGHEST)
+  return jnp.matmul(ones, g, precision=lax.Precision.HIGHEST)
+
+
+def decay_to_end(b: Array, seg: Segments) -> Array:
+  """exp(b_C - b_t), the decay from each step t of the last segment to the chunk's end, and 0
+  before that segment; `b` `(Z, H, n, C[, K])` (`cumulative`).
+
+  Selected before `exp`: the sums restart at resets, so b_C - b_t of an earlier segment may be
+  far above 0, and its overflow would reach the gradients as 0 * inf.
+  """
+  total = b[:, :, :, -1:]
+  if seg.last is None:
+    return jnp.exp(total - b)
+  last = seg.last if b.ndim == 4 else seg.last[..., None]
+  return jnp.exp(jnp.where(last, total - b, -jnp.inf))
 
 
 def pairwise_decay(b: Array, causal: Array) -> Array:
@@ -176,7 +201,8 @@ def _leading(x: Array, count: int) -> Array:
 
 
 def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Array, precision,
-                   strict: bool = False, factored: bool = False) -> list[list[Array]]:
+                   strict: bool = False, factored: bool = False,
+                   index: Array | None = None) -> list[list[Array]]:
   """sum_d x_td y_sd exp(bx_td - by_sd) for s <= t (s < t if `strict`) inside each chunk.
 
   With one decay per key channel the decay does not factor out of the product, and
@@ -187,23 +213,25 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
   cumulative log-decay e_i: the steps before block i are scored against it by one product
   of factors exp(bx_t - e_i) and exp(e_i - by_s), both <= 1, and inside the block by one
   product too while every block decays by less than the limit, else step pair by step pair
-  (a group of chunks at a time). The choice is made for all the chunks at once (and all the
-  rows of a `vmap`), by value (`lax.switch`), unless the caller has made it for the whole
-  sequence (`factored`).
+  (a group of chunks at a time). With resets (`index`), a segment that starts inside block i
+  takes its own start (cumulative log-decay 0) in place of e_i. The choice is made for all
+  the chunks at once (and all the rows of a `vmap`), by value (`lax.switch`), unless the
+  caller has made it for the whole sequence (`factored`).
 
   Args:
     xs, ys: `(Z, H, n, C, K)` rows of each chunk; every pair is scored.
     bx, by: `(Z, H, n, C, K)` cumulative log-decays of the xs' and the ys' steps from the
-      chunk's start; bx_t - by_s and bx_t - e_i must be <= 0 wherever they are used (by =
-      bx, or bx one step behind it with `strict`).
+      start of their segment (`cumulative`); bx_t - by_s and bx_t - e_i must be <= 0
+      wherever they are used (by = bx, or bx one step behind it with `strict`).
     precision: matmul precision.
     strict: leave out s = t.
     factored: every chunk decays by less than the limit (`factors` said so): the one product,
       without the switch.
+    index: `(Z, 1, n, C)` the steps' segments (`Segments.index`), or None without resets.
 
   Returns:
     `scores[a][b]` `(Z, H, n, C, C)` for xs[a] and ys[b], zero for s > t (and s = t if
-    `strict`).
+    `strict`); scores of steps of different segments are finite, to be masked by the caller.
   """
   limit = _FACTOR_LIMIT[jnp.finfo(bx.dtype).bits]
   lower = _leading(jnp.tril(jnp.ones(bx.shape[3:4] * 2, bool), -1 if strict else 0), 3)
@@ -218,21 +246,21 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
     n, group = bx.shape[2], _pairwise_group(bx.shape)
     scores = lambda c: _blocked_scores(*c, precision, strict, False)
     if group == n:  # a loop of one iteration would only slow it down
-      return scores((xs, ys, bx, by))
+      return scores((xs, ys, bx, by, index))
     # (n / group, Z, H, group, C, K): the loop runs over the groups, each a window of chunks.
-    grouped = lambda a: jnp.moveaxis(a.reshape((*a.shape[:2], n // group, group, *a.shape[3:])), 2, 0)
-    out = lax.map(jax.checkpoint(scores),
-                  (tuple(map(grouped, xs)), tuple(map(grouped, ys)), grouped(bx), grouped(by)))
+    grouped = lambda a: None if a is None else jnp.moveaxis(
+        a.reshape((*a.shape[:2], n // group, group, *a.shape[3:])), 2, 0)
+    out = lax.map(jax.checkpoint(scores), (tuple(map(grouped, xs)), tuple(map(grouped, ys)),
+                                           grouped(bx), grouped(by), grouped(index)))
     # (Z, H, n / group, group, C, C) -> (Z, H, n, C, C)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2).reshape((*a.shape[1:3], n, *a.shape[-2:])),
                         out)
 
   if factored:
     return [list(row) for row in whole(None)]
-  blocks = lambda _: _blocked_scores(xs, ys, bx, by, precision, strict, True)
-  leave, enter = _block_edges(by)
-  path = jnp.where(_all_above(by[..., -1, :], -limit), 0,
-                   jnp.where(_all_above(leave - enter, -limit), 1, 2))
+  blocks = lambda _: _blocked_scores(xs, ys, bx, by, index, precision, strict, True)
+  path = jnp.where(_all_above(jnp.min(by, axis=3), -limit), 0,
+                   jnp.where(_all_above(by - _references(by, index), -limit), 1, 2))
   scores = lax.switch(path, [jax.checkpoint(f) for f in (whole, blocks, pairwise)], None)
   return [list(row) for row in scores]
 
@@ -303,15 +331,37 @@ def _pairwise_group(shape: tuple[int, ...]) -> int:
   return max(g for g in range(1, min(n, most) + 1) if n % g == 0)
 
 
-def _block_edges(by: Array) -> tuple[Array, Array]:
-  """`(Z, H, n, m, K)` cumulative log-decays where each block of the chunks ends, r_i, and
-  where it starts, e_i = r_{i-1} (0 for the first)."""
+def _entries(by: Array, index: Array | None) -> tuple[Array, Array | None]:
+  """`(Z, H, n, m, K)` cumulative log-decays e_i where each block of the chunks starts (the
+  end of the block before it; 0 for the first), and `(Z, 1, n, m)` the segment each block
+  starts in (None without resets)."""
   sub = _block_size(by.shape[3])
   leave = by[:, :, :, sub - 1::sub]
-  return leave, jnp.concatenate([jnp.zeros_like(leave[:, :, :, :1]), leave[:, :, :, :-1]], axis=3)
+  enter = jnp.concatenate([jnp.zeros_like(leave[:, :, :, :1]), leave[:, :, :, :-1]], axis=3)
+  if index is None:
+    return enter, None
+  ends = index[:, :, :, sub - 1::sub]
+  return enter, jnp.concatenate([jnp.zeros_like(ends[:, :, :, :1]), ends[:, :, :, :-1]], axis=3)
 
 
-def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
+def _steps(x: Array, sub: int) -> Array:
+  """Per-block values `(Z, H, n, m, ...)` repeated for each of a block's `sub` steps: `(Z, H,
+  n, m * sub, ...)`."""
+  return jnp.repeat(x, sub, axis=3)
+
+
+def _references(by: Array, index: Array | None) -> Array:
+  """`(Z, H, n, C, K)` each step's point of reference in its block: e_i where the step's
+  segment began before its block i, else 0, the start of its segment (`_entries`)."""
+  sub = _block_size(by.shape[3])
+  enter, entry_segment = _entries(by, index)
+  if index is None:
+    return _steps(enter, sub)
+  same = (index == _steps(entry_segment, sub))[..., None]
+  return jnp.where(same, _steps(enter, sub), 0)
+
+
+def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
   """`per_key_scores` as nested tuples `[a][b]` of `(Z, H, n, C, C)`, through blocks of at
   most 8 steps; inside a block as one product if `factored` (the block decays by less than
   the limit), else step pair by step pair."""
@@ -319,16 +369,24 @@ def _blocked_scores(xs, ys, bx, by, precision, strict, factored):
   sub = _block_size(size)
   m = size // sub
   blocks = lambda a: a.reshape((*a.shape[:3], m, sub, a.shape[-1]))  # (Z, H, n, m, c, K)
-  _, enter = _block_edges(by)
-  # Block i's queries scaled by exp(bx_t - e_i), the keys before it by exp(e_i - by_s).
-  x_scale = jnp.exp(blocks(bx) - enter[:, :, :, :, None])  # (Z, H, n, m, c, K)
-  earlier = (jnp.arange(size)[None, :] < jnp.arange(0, size, sub)[:, None])[:, :, None]  # (m, C, K)
-  y_scale = jnp.exp(jnp.where(earlier, enter[:, :, :, :, None] - by[:, :, :, None], -jnp.inf))
-  lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)  # (t, s)
-  if factored:  # exp(e_i - by_s) <= exp(e_i - r_i) < exp(limit) inside block i
-    y_near = jnp.exp(enter[:, :, :, :, None] - blocks(by))
+  enter, entry_segment = _entries(by, index)
+  reference = _references(by, index)
+  # Block i's queries scaled by exp(bx_t - e_i), the keys before it of the segment it starts
+  # in by exp(e_i - by_s); a segment that starts inside the block is scored from its start.
+  x_scale = jnp.exp(blocks(bx - reference))  # (Z, H, n, m, c, K)
+  earlier = (jnp.arange(size)[None, :] < jnp.arange(0, size, sub)[:, None])[None, None, None]
+  if index is not None:  # (Z, 1, n, m, C)
+    earlier = earlier & (index[:, :, :, None, :] == entry_segment[..., None])
+  y_scale = jnp.exp(jnp.where(earlier[..., None], enter[:, :, :, :, None] - by[:, :, :, None],
+                              -jnp.inf))  # (Z, H, n, m, C, K)
+  lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[None, None, None, None]
+  if factored:  # exp(ref_s - by_s) < exp(limit) inside block i
+    y_near = jnp.exp(blocks(reference - by))
   else:
-    inside = jnp.exp(jnp.where(lower[:, :, None], blocks(bx)[..., :, None, :]
+    if index is not None:  # (Z, 1, n, m, t, s)
+      segment = index.reshape((*index.shape[:3], m, sub))
+      lower = lower & (segment[..., :, None] == segment[..., None, :])
+    inside = jnp.exp(jnp.where(lower[..., None], blocks(bx)[..., :, None, :]
                                - blocks(by)[..., None, :, :], -jnp.inf))  # (Z, H, n, m, t, s, K)
   eye = jnp.eye(m, dtype=bx.dtype)
 

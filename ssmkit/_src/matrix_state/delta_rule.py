@@ -75,27 +75,28 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool
     k_in, q_in, k_out = k, q, k
     a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
   elif g.ndim == 4:
-    b = chunks.cumulative(g)
+    b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
     decay = chunks.pairwise_decay(b, seg.causal)
     interact = jnp.where(seg.strict, kk * decay, 0)
     weights = qk * read(decay)
     k_in = k * jnp.exp(b)[..., None]
     q_in = q * jnp.exp(read(b))[..., None]
-    k_out = k * jnp.exp(total[..., None] - b)[..., None]
+    k_out = k * chunks.decay_to_end(b, seg)[..., None]
     a = jnp.exp(total)[..., None, None]
   else:  # one decay per key channel: the decays scale the rows of S, M's diagonal
     # The per-key scores take square chunks: every query is scored, the read rows kept.
     (q,), bad_query = common.sanitize((q,))
     bad_query = read(bad_query)
-    b = chunks.cumulative(g)
+    b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
-    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision, factored=factored)
+    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision, factored=factored,
+                                      index=seg.index)
     interact = jnp.where(seg.strict, kk, 0)
     weights = jnp.where(read(seg.causal), read(qk), 0)
     k_in = k * jnp.exp(b)
     q_in = read(q * jnp.exp(b))
-    k_out = k * jnp.exp(total[:, :, :, None] - b)
+    k_out = k * chunks.decay_to_end(b, seg)
     a = jnp.exp(total)[..., None]
   rows = beta[..., None]
   rhs = jnp.concatenate([v, -chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)
@@ -136,7 +137,8 @@ def delta_rule(
   channel, scaling the rows of S (Kimi Delta Attention), or absent (DeltaNet). No
   normalisation of the keys or scaling of `q` is implied (the layers normalise keys to
   unit length, which keeps the transition a contraction for beta in [0, 2]).
-  `reset[..., t]` clears the state before step t, also inside a chunk.
+  `reset[..., t]` clears the state before step t, also inside a chunk; the outputs and
+  gradients from a reset on are the same to the last bit whatever came before it.
 
   The chunked mode solves, per chunk of C steps, the unit lower-triangular system of the
   UT transform (Yang et al. 2024) for the chunk's writes given any entering state, so a

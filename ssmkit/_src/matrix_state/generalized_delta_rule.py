@@ -55,12 +55,13 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
     g = jnp.zeros_like(k)
   elif g.ndim == 4:
     g = jnp.broadcast_to(g[..., None], k.shape)
-  after = chunks.cumulative(g)
+  after = chunks.cumulative(g, seg)
   before = after - g
   total = after[:, :, :, -1:]
   ((ab, ak),) = chunks.per_key_scores((a,), (b, k), before, after, precision, strict=True,
-                                      factored=factored)
-  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision, factored=factored)
+                                      factored=factored, index=seg.index)
+  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision, factored=factored,
+                                      index=seg.index)
   ab, ak = (jnp.where(seg.strict, x, 0) for x in (ab, ak))
   qb, qk = (jnp.where(seg.causal, x, 0) for x in (qb, qk))
   mix = lambda s, x: jnp.einsum("zhncs,zhnse->zhnce", s, x, precision=precision)
@@ -69,7 +70,8 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   solved = triangular.unit_lower_solve(-ab, rhs, precision)
   dim_v = v.shape[-1]
   w, r = solved[..., :dim_v], solved[..., dim_v:]
-  b_out, k_out = (chunks.masked(x * jnp.exp(total - after), seg.last) for x in (b, k))
+  to_end = chunks.decay_to_end(after, seg)
+  b_out, k_out = (chunks.masked(x * to_end, seg.last) for x in (b, k))
   u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, v, precision=precision)
   decay = jnp.exp(total[:, :, :, 0])[..., None]  # (Z, H, n, K, 1)
   return common.read_out(decay, u, q * jnp.exp(after), mix(qk, v), seg, bad, bad_query, reset,
@@ -106,7 +108,8 @@ def generalized_delta_rule(
   rate alpha in [0, 1], which makes the transition diag(exp(g)) - kappa^T (kappa * alpha);
   the delta rule is a = -beta k, b = k, and keys k beta and values v. `log_decay` is one
   number per key channel (RWKV-7), one per head, or absent. `reset[..., t]` clears the
-  state before step t, also inside a chunk.
+  state before step t, also inside a chunk; the outputs and gradients from a reset on are
+  the same to the last bit whatever came before it.
 
   The chunked mode solves, per chunk of C steps, a unit lower-triangular system for the
   reads given any entering state, so a chunk becomes matrix products plus a `(K, K)`

@@ -82,18 +82,19 @@ def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False, factored: 
     q_in, k_out = q, k
     a = jnp.ones((*q.shape[:3], 1, 1), q.dtype)
   else:
-    b = chunks.cumulative(g)
+    b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
     if g.ndim == 4:
       weights = scores * chunks.pairwise_decay(b, mask)
       q_in = q * jnp.exp(b)[..., None]
-      k_out = k * jnp.exp(total[..., None] - b)[..., None]
+      k_out = k * chunks.decay_to_end(b, seg)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      ((decayed,),) = chunks.per_key_scores((q,), (k,), b, b, precision, factored=factored)
+      ((decayed,),) = chunks.per_key_scores((q,), (k,), b, b, precision, factored=factored,
+                                            index=seg.index)
       weights = jnp.where(mask, decayed, 0)
       q_in = q * jnp.exp(b)
-      k_out = k * jnp.exp(total[:, :, :, None] - b)
+      k_out = k * chunks.decay_to_end(b, seg)
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
   u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
@@ -126,16 +127,18 @@ def linear_attention(
   where g_t = `log_decay` is one number per head (Mamba-2's SSD, RetNet), one per key
   channel, scaling the rows of S (GLA), or absent (plain linear attention), and beta_t
   an optional write strength per head (Mamba-2's dt_t, where it is not folded into B).
-  No scaling of `q` is implied. `reset[..., t]` clears the state before step t, also in the middle of a
-  chunk, so packed sequences of different lengths never see each other; inputs are
-  selected, never multiplied by zero, so a NaN or Inf before a reset stays before it.
+  No scaling of `q` is implied. `reset[..., t]` clears the state before step t, also in the
+  middle of a chunk, so packed sequences of different lengths never see each other: in every
+  mode the outputs and gradients from a reset on are the same to the last bit whatever came
+  before it, and inputs are selected, never multiplied by zero, so a NaN or Inf before a
+  reset stays before it.
 
   The chunked mode computes each chunk of C steps as a masked, decayed attention-like
   product (C x C) plus the contribution of the state entering the chunk, and carries only
   the (K, V) state from chunk to chunk. Decays inside a chunk are differences of
-  cumulative log-decays, never ratios of products. Gradients are JAX's own (forward and
-  reverse mode, any order); they keep one state per chunk and recompute the rest, so
-  memory does not hold T states. bfloat16/float16 inputs accumulate in float32.
+  cumulative log-decays restarting at each reset, never ratios of products. Gradients are
+  JAX's own (forward and reverse mode, any order); they keep one state per chunk and
+  recompute the rest, so memory does not hold T states. bfloat16/float16 inputs accumulate in float32.
 
   Args:
     q: `(..., T, H, K)` queries, real floating.
