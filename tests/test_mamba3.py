@@ -87,6 +87,30 @@ def test_every_mode_matches_the_float64_loop(ranks, layout, mode):
 
 
 @pytest.mark.parametrize("ranks, layout", CASES, ids=CASE_IDS)
+def test_a_reset_cuts_every_input_before_it_exactly(ranks, layout):
+  """The outputs from a reset on (inside a chunk of 8 steps, and of "auto"'s 64) and the final
+  state are the same to the last bit whatever came before it: every input before the reset
+  and the state it starts from changed (the programs of the test above)."""
+  first = [27, 21]
+  x = _inputs(np.random.default_rng(9), ranks, (2,), 65, reset_rate=0.0)
+  other = _inputs(np.random.default_rng(10), ranks, (2,), 65, reset_rate=0.0)
+  x["reset"][0, first[0]] = x["reset"][1, first[1]] = True
+  y = dict(x, initial_state=other["initial_state"])
+  for name in ("q", "k", "v", "log_decay", "step_size", "trapezoid", "angle_rate"):
+    y[name] = x[name].copy()
+    for row, start in enumerate(first):
+      y[name][row, :start] = other[name][row, :start]
+  for mode in MODES:
+    (out_x, final_x), (out_y, final_y) = (
+        _jitted(ranks, layout, mode, None if mode == "auto" else 8)(d) for d in (x, y))
+    for row, start in enumerate(first):
+      np.testing.assert_array_equal(out_x[row, start:], out_y[row, start:], err_msg=mode)
+      assert not np.allclose(out_x[row, :start], out_y[row, :start], atol=0)
+    for got_x, got_y in zip(final_x, final_y, strict=True):
+      np.testing.assert_array_equal(got_x, got_y, err_msg=mode)
+
+
+@pytest.mark.parametrize("ranks, layout", CASES, ids=CASE_IDS)
 def test_a_sequence_continues_from_its_state_in_pieces(ranks, layout):
   x = _inputs(np.random.default_rng(6), ranks, (2,), 30)
   whole, final = _jitted(ranks, layout, "chunked", 8)(x)
