@@ -134,10 +134,25 @@ class MatrixPlan(NamedTuple):
   derivatives: Mode
 
 
+# On accelerators (one H200, jax 0.11.2, CUDA 13, bfloat16, K=V=128, B=8 T=2048 H=16;
+# docs/benchmarks.md), fwd / fwd+bwd ms and temporary MiB of the parallel and chunked forms:
+#
+#   | function                    | parallel                  | chunked                   |
+#   |-----------------------------|---------------------------|---------------------------|
+#   | linear attention (per head) | 1.62 / 2.96, 1058 MiB     | 2.15 / 5.09, 1106 MiB     |
+#   | gated delta rule            | 5.22 / 9.98, 4467 MiB     | 4.97 / 10.18, 1146 MiB    |
+#   | KDA (per-key decay)         | 7.49 / 16.59, 8152 MiB    | 5.95 / 13.56, 1232 MiB    |
+#
+# The tree combines the chunks' maps, row decays for linear attention but `(K, K)` matrices for
+# the delta rules: for those it held 4-7x the memory of the chunked loop for no speed.
+
+
 def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
-                        chunked_values_from: float = math.inf, rows: int = 1) -> MatrixPlan:
+                        chunked_values_from: float = math.inf, rows: int = 1,
+                        matrix: bool = False) -> MatrixPlan:
   """The plan for `mode` over `length` steps of `rows` (batch rows times heads) sequences;
-  `Mode.AUTO` is chosen per backend.
+  `Mode.AUTO` is chosen per backend, and on accelerators by whether the chunks' maps are
+  `(K, K)` matrices (`matrix`: the delta rules) or row decays.
 
   A single step always runs sequentially (decoding). On CPU, the step-by-step loop streams
   the state through the cache, while its gradient keeps T states; `auto` there differentiates
@@ -147,7 +162,8 @@ def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
   side by side, CPU), so it passes 0; the delta rules' took up to 2x (KDA at 256 steps), so
   they pass `DELTA_VALUES_CHUNKED_FROM`.
   On accelerators, T steps would be T small kernels: `auto` runs every chunk at once with the
-  chunk maps combined as a tree.
+  chunk maps combined as a tree where they are row decays, and the chunked loop where they
+  are matrices (the table above).
   """
   if mode is not Mode.AUTO:
     return MatrixPlan(mode, mode)
@@ -157,4 +173,5 @@ def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
   if backend == "cpu":
     chunked = rows * length >= chunked_values_from
     return MatrixPlan(Mode.CHUNKED if chunked else Mode.SEQUENTIAL, Mode.CHUNKED)
-  return MatrixPlan(Mode.PARALLEL, Mode.PARALLEL)
+  accelerated = Mode.CHUNKED if matrix else Mode.PARALLEL
+  return MatrixPlan(accelerated, accelerated)

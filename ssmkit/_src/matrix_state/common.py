@@ -286,7 +286,7 @@ def evaluate(
   # One token of r steps decodes as one step does.
   plan = resolve_matrix_mode(mode, 1 if length == read_every else length,
                              chunked_values_from=chunked_values_from,
-                             rows=x.q.shape[0] * x.q.shape[2])
+                             rows=x.q.shape[0] * x.q.shape[2], matrix=matrix)
   size = min(chunk_size or default_chunk_size, length)
   every = read_every if size % read_every == 0 else 1  # the steps the chunk maps read
   if read_every > 1:
