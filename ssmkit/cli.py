@@ -6,6 +6,7 @@
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
     ssmkit generate (--workdir DIR | --pretrained DIR_OR_ID) [--prompt TEXT] [--max-tokens N] ...
+    ssmkit export --workdir DIR [--step N] OUTPUT
     ssmkit configs
     ssmkit --version
 
@@ -207,7 +208,7 @@ def _run_generate(args: argparse.Namespace) -> int:
   except (FileNotFoundError, ValueError) as error:  # ConfigError and CheckpointError included
     print(f"ssmkit generate: error: {error}", file=sys.stderr)
     return 2
-  print(args.prompt + text)
+  print(text)
   return 0
 
 
@@ -229,6 +230,33 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--step", type=int, default=None,
                       help="the checkpoint's step (with --workdir); default: the latest")
   parser.set_defaults(run=_run_generate)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+  from ssmkit import pretrained, train
+
+  try:
+    kind = train.core.workdir_task(args.workdir).name
+    if kind != "lm":
+      raise train.ConfigError(f"{args.workdir} holds a `task: {kind}` run; `ssmkit export` writes "
+                              "the language model of a `task: lm` run.")
+    model, variables, config = train.load(args.workdir, args.step)
+    folder = pretrained.save(model, variables, args.output,
+                             source=config.model.pretrained or config.data.tokenizer)
+  except (FileNotFoundError, ValueError) as error:  # ConfigError and CheckpointError included
+    print(f"ssmkit export: error: {error}", file=sys.stderr)
+    return 2
+  print(f"wrote {folder}")
+  return 0
+
+
+def _add_export(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--workdir", type=pathlib.Path, required=True,
+                      help="the workdir of a `task: lm` run")
+  parser.add_argument("--step", type=int, default=None,
+                      help="the checkpoint's step; default: the latest")
+  parser.add_argument("output", type=pathlib.Path, help="the folder to write")
+  parser.set_defaults(run=_run_export)
 
 
 def _run_configs(args: argparse.Namespace) -> int:
@@ -303,6 +331,13 @@ def _parser() -> argparse.ArgumentParser:
       "generate", help="continue a prompt with the language model of a `task: lm` workdir",
       description="Restores a `task: lm` run's checkpoint and prints the prompt and its "
                   "continuation, which ends at the end-of-document token or --max-tokens.",
+  ))
+  _add_export(commands.add_parser(
+      "export", help="write a `task: lm` run's model as a Hugging Face checkpoint",
+      description="Writes a checkpoint of a `task: lm` run (the latest unless --step) as "
+                  "config.json and model.safetensors that transformers and `ssmkit generate "
+                  "--pretrained` load, with the tokenizer of the run (its model.pretrained "
+                  "checkpoint's tokenizer files and generation config, or its data.tokenizer).",
   ))
   commands.add_parser(
       "configs", help="list the configs shipped with ssmkit", description="Lists the shipped configs, "

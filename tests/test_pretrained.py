@@ -213,7 +213,10 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
       (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture"),
       (model.clone(layer=(model.layer, model.layer)), variables,
        r"its layers \(Mamba2\) make no architecture"),
-      (model, jax.tree.map(lambda v: v + 1, variables), r"the decoder's bias is not zero"),
+      (model.clone(decoder_bias=True),
+       {"params": {**variables["params"], "decoder": {**variables["params"]["decoder"],
+                                                       "bias": np.ones(96, np.float32)}}},
+       r"the untied decoder has a bias that is not zero"),
       (model.clone(layer=functools.partial(model.layer, norm_per_group=False)), variables,
        r"n_groups > 1 must normalise per group"),
   ]
@@ -301,3 +304,57 @@ def test_an_lm_run_saves_as_a_checkpoint(tmp_path):
                                 jax.jit(model.apply)(variables, tokens))
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"`model.norm_eps`=None: a Mamba2"):
     ssmkit.pretrained.save(model.clone(norm_eps=None), variables, tmp_path / "other")
+
+
+def _word_corpus(folder, seed=4):
+  """Documents of the fixtures' words, t3 ... t95, for their word-level tokenizer."""
+  folder.mkdir()
+  rng = np.random.default_rng(seed)
+  for i in range(30):
+    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, 40)))
+    (folder / f"doc{i}.txt").write_text(words, encoding="utf-8")
+  return folder
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, capsys):
+  """load -> `ssmkit train` a few steps -> `ssmkit export`: the folder holds the checkpoint's own
+  tensors by transformers' names (those of the fixture transformers wrote) with the fine-tuned
+  values, its config fields, tokenizer and generation config, and loads back to the run's
+  logits bit for bit; where torch and transformers are installed, transformers loads it to the
+  same logits."""
+  overrides = [f"model.pretrained={FIXTURES / name}", f"data.path={_word_corpus(tmp_path / 'c')}",
+               "data.seq_len=16", "data.batch_size=2", "data.validation_fraction=0.3",
+               "optimizer.warmup_steps=0", "optimizer.learning_rate=0.01", "train.steps=3",
+               "train.log_every=3", "train.eval_every=0", "mesh.data=1"]
+  workdir, out = tmp_path / "run", tmp_path / "out"
+  with jax.enable_x64(False):
+    assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
+    assert cli.main(["export", "--workdir", str(workdir), str(out)]) == 0
+    model, variables, _ = train.load(workdir)
+    loaded, again, config = ssmkit.pretrained.load(out)
+    tokens = _expected(name)["input_ids"]
+    logits = np.asarray(jax.jit(model.apply)(variables, tokens))
+    np.testing.assert_array_equal(jax.jit(loaded.apply)(again, tokens), logits)
+  jax.tree.map(np.testing.assert_array_equal, again, jax.device_get(variables))
+  original = load_file(FIXTURES / name / "model.safetensors")
+  written = load_file(out / "model.safetensors")
+  assert sorted(written) == sorted(original)
+  assert any(not np.array_equal(written[k], original[k]) for k in original)  # it trained
+  fixture_config = json.loads((FIXTURES / name / "config.json").read_text())
+  for key in set(config) & set(fixture_config) - {"dtype", "transformers_version"}:
+    assert config[key] == fixture_config[key], key
+  for carried in ("tokenizer.json", "generation_config.json"):
+    assert (out / carried).read_bytes() == (FIXTURES / name / carried).read_bytes()
+  capsys.readouterr()
+  assert cli.main(["generate", "--pretrained", str(out), "--prompt", "t5 t9", "--max-tokens", "4",
+                   "--temperature", "0"]) == 0
+  assert capsys.readouterr().out.split()[:2] == ["t5", "t9"]
+  if _transformers():
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+      hf_logits = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert _relative_error(hf_logits, logits) < 1e-4

@@ -85,7 +85,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     if cfg.use_bias:
       specs[f"{name}_bias"] = ParamSpec((width,), nn.initializers.zeros)
   specs["o_proj"] = ParamSpec((heads * head_dim, features), lecun)
-  if cfg.use_bias:
+  if cfg.use_bias if cfg.out_bias is None else cfg.out_bias:
     specs["o_bias"] = ParamSpec((features,), nn.initializers.zeros)
   if cfg.qk_norm:
     specs["q_norm"] = ParamSpec((head_dim,), nn.initializers.ones)
@@ -387,7 +387,8 @@ class Attention(functional.LinenLayer):
 
   Inputs `(..., T, H)` give outputs `(..., T, H)`. Per step, queries of `num_heads` heads and
   keys and values of `num_kv_heads` heads (MHA when equal, GQA when fewer, MQA with one) of
-  `head_dim` channels are projected from the input (with biases if `use_bias`), optionally
+  `head_dim` channels are projected from the input (with biases if `use_bias`; the output
+  projection's as `out_bias` says), optionally
   RMS-normalised per head (`qk_norm`), and the first `rope_fraction` of each head's channels
   turn by rotary position embeddings of base `rope_base` (RecurrentGemma rotates half). Step t
   attends to steps s <= t of its document, within the last `window` steps if `window` is set
@@ -421,6 +422,8 @@ class Attention(functional.LinenLayer):
     qk_norm: RMS-normalise queries and keys per head, with learned scales.
     logit_cap: soft cap of the logits; None: none.
     use_bias: biases on the four projections.
+    out_bias: a bias on the output projection; None: as `use_bias` (RecurrentGemma has it
+      alone, Qwen2 has the other three alone).
     param_dtype: dtype of the parameters.
 
   References:
@@ -439,6 +442,7 @@ class Attention(functional.LinenLayer):
   qk_norm: bool = False
   logit_cap: float | None = None
   use_bias: bool = False
+  out_bias: bool | None = None
   param_dtype: jnp.dtype = jnp.float32
 
   parameter_groups = common.ParameterGroups(no_decay=frozenset(

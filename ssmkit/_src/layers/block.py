@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from ssmkit._src.layers import common
 from ssmkit._src.layers.functional import ValueResidual, shares_values
 from ssmkit._src.layers.lru import LRU
+from ssmkit._src.layers.norms import RMSNormPlusOne
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
 ModuleDef = Callable[..., nn.Module]
 
-NORMS = ("layer", "batch", "rms")
+NORMS = ("layer", "batch", "rms", "rms_plus_one")
 ACTIVATIONS = ("gelu", "glu", "half_glu")
 MLPS = ("none", "gelu", "geglu", "swiglu")
 # The activation of each MLP; the gated ones multiply it by a second projection.
@@ -151,7 +152,8 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
 
 
 class Norm(nn.Module):
-  """LayerNorm, RMSNorm or BatchNorm over the feature axis; BatchNorm skips masked steps.
+  """LayerNorm, RMSNorm, RMSNorm scaled by 1 + w ("rms_plus_one": Gemma's, Qwen3-Next's) or
+  BatchNorm over the feature axis; BatchNorm skips masked steps.
 
   `dtype` is the dtype of its outputs (None: its inputs'; statistics are taken in float32 for
   narrower inputs), `param_dtype` that of its scale and bias, `eps` the epsilon added to the
@@ -177,6 +179,8 @@ class Norm(nn.Module):
       return nn.LayerNorm(**precision)(x)
     if self.kind == "rms":
       return nn.RMSNorm(**precision)(x)
+    if self.kind == "rms_plus_one":
+      return RMSNormPlusOne(**precision)(x)
     return nn.BatchNorm(use_running_average=not train, momentum=0.9, **precision)(
         x, mask=expand_mask(mask, x))
 
@@ -258,7 +262,7 @@ class SSMBlock(_Block):
 
   Attributes:
     layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.layers.S5, d_state=32)`.
-    norm: "layer", "batch" or "rms".
+    norm: "layer", "batch", "rms" or "rms_plus_one" (scaled by 1 + w).
     activation: "gelu", "glu" or "half_glu".
     dropout_rate: dropout after the activation and after the GLU, when `train`.
     prenorm: normalise the block input (True) or the residual sum (False).
@@ -316,7 +320,7 @@ class MixerBlock(_Block):
 
   Attributes:
     layer: factory of the mixer, e.g. `functools.partial(ssmkit.layers.Attention, window=64)`.
-    norm: "rms", "layer" or "batch", before the mixer and before the MLP.
+    norm: "rms", "rms_plus_one", "layer" or "batch", before the mixer and before the MLP.
     mlp: "none", "gelu" (down(gelu(up x))), "geglu" (down(gelu(gate x) * up x)) or "swiglu"
       (down(silu(gate x) * up x)); GELU is its tanh approximation.
     mlp_expansion: the MLP's hidden width over the block's width.

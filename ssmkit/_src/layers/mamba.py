@@ -36,8 +36,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     features: the input width H.
 
   Returns:
-    in_proj `(H, 2 D)` for D = expand * H; conv_kernel `(d_conv, D)`; conv_bias `(D,)`;
-    x_proj `(D, R + 2 N)` for the step rank R; dt_proj `(R, D)`; dt_bias `(D,)`; A_log
+    in_proj `(H, 2 D)` for D = expand * H; conv_kernel `(d_conv, D)`; conv_bias `(D,)` (with
+    `use_conv_bias`); x_proj `(D, R + 2 N)` for the step rank R; dt_proj `(R, D)`; dt_bias `(D,)`; A_log
     `(D, N)`; D `(D,)`; out_proj `(D, H)`; with `use_bias`, in_proj_bias `(2 D,)` and
     out_proj_bias `(H,)`.
   """
@@ -53,7 +53,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
   return {
       "in_proj": common.ParamSpec((features, 2 * inner), uniform(features**-0.5)),
       "conv_kernel": common.ParamSpec((cfg.d_conv, inner), uniform(cfg.d_conv**-0.5)),
-      "conv_bias": common.ParamSpec((inner,), uniform(cfg.d_conv**-0.5)),
+      **({"conv_bias": common.ParamSpec((inner,), uniform(cfg.d_conv**-0.5))}
+         if cfg.use_conv_bias else {}),
       "x_proj": common.ParamSpec((inner, rank + 2 * n), uniform(inner**-0.5)),
       "dt_proj": common.ParamSpec((rank, inner), uniform(rank**-0.5)),
       "dt_bias": common.ParamSpec((inner,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
@@ -107,8 +108,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   """The Mamba block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   v, z = _project(params, x)
-  conv, window = causal_conv(v, params["conv_kernel"], params["conv_bias"], state.conv, reset,
-                             axis_name)
+  conv, window = causal_conv(v, params["conv_kernel"], params.get("conv_bias"), state.conv,
+                             reset, axis_name)
   u = jax.nn.silu(conv)
   dtype = common.computation_dtype(x.dtype)
   dt, b, c = _selective(cfg, params, u, dtype)
@@ -134,8 +135,10 @@ def step(cfg: Any, params: dict[str, Array], state: ConvRecurrentState, x_t: Arr
   dtype = common.computation_dtype(x_t.dtype)
   window = jnp.concatenate([conv, v[..., None, :]], axis=-2)
   kernel = common.leading_ones(params["conv_kernel"], window.ndim)
-  u = jax.nn.silu(jnp.sum(window * kernel, axis=-2)
-                  + common.leading_ones(params["conv_bias"], v.ndim))
+  conv = jnp.sum(window * kernel, axis=-2)
+  if "conv_bias" in params:
+    conv = conv + common.leading_ones(params["conv_bias"], v.ndim)
+  u = jax.nn.silu(conv)
   dt, b, c = _selective(cfg, params, u, dtype)
   a = -jnp.exp(params["A_log"])
   ssm = jnp.exp(dt[..., None] * common.leading_ones(a, dt.ndim + 1)) * ssm + (
@@ -174,6 +177,7 @@ class Mamba(functional.LinenLayer):
     dt_max: largest initial step.
     use_bias: biases on the in- and out-projections (zero at first), as `transformers`'
       `use_bias` (published Mamba checkpoints have none).
+    use_conv_bias: a bias on the convolution, as `transformers`' `use_conv_bias`.
     selective_norm_eps: RMS-normalise the step size's low-rank input, B and C (without a
       scale) with this epsilon before use, as Falcon-Mamba does (its `mixer_rms_eps`); None:
       Mamba's block, which does not.
@@ -191,6 +195,7 @@ class Mamba(functional.LinenLayer):
   dt_min: float = 1e-3
   dt_max: float = 1e-1
   use_bias: bool = False
+  use_conv_bias: bool = True
   selective_norm_eps: float | None = None
   param_dtype: jnp.dtype = jnp.float32
 

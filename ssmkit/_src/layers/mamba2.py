@@ -47,7 +47,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   return {
       "in_proj": ParamSpec((features, 2 * inner + bc + heads), uniform(features**-0.5)),
       "conv_kernel": ParamSpec((cfg.d_conv, conv), uniform(cfg.d_conv**-0.5)),
-      "conv_bias": ParamSpec((conv,), uniform(cfg.d_conv**-0.5)),
+      **({"conv_bias": ParamSpec((conv,), uniform(cfg.d_conv**-0.5))} if cfg.use_conv_bias else {}),
       "dt_bias": ParamSpec((heads,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
       "A_log": ParamSpec((heads,), a_log_init(1.0, 16.0)),
       "D": ParamSpec((heads,), nn.initializers.ones),
@@ -77,8 +77,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   # The projection's order, as in the reference: [z, x, B, C, dt].
   z, xbc, dt = jnp.split(common.project(x, params["in_proj"], dtype), [inner, 2 * inner + bc],
                          axis=-1)
-  xbc, window = causal_conv(xbc, params["conv_kernel"], params["conv_bias"], state.conv, reset,
-                           axis_name)
+  xbc, window = causal_conv(xbc, params["conv_kernel"], params.get("conv_bias"), state.conv,
+                           reset, axis_name)
   u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
   u = u.reshape(*u.shape[:-1], heads, cfg.head_dim)
   # The heads of a group share its B and C.
@@ -124,6 +124,7 @@ class Mamba2(functional.LinenLayer):
   Attributes:
     d_state: state size N per head (the size of B and C).
     d_conv: width of the causal convolution.
+    use_conv_bias: a bias on the convolution, as `transformers`' `use_conv_bias`.
     expand: inner width = expand * H.
     head_dim: channels P per head; must divide expand * H (32 divides it for any H that is a
       multiple of 16).
@@ -146,6 +147,7 @@ class Mamba2(functional.LinenLayer):
 
   d_state: int = 64
   d_conv: int = 4
+  use_conv_bias: bool = True
   expand: int = 2
   head_dim: int = 32
   n_groups: int = 1

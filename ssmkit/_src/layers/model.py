@@ -196,7 +196,8 @@ class SequenceModel(nn.Module):
     pooling: "mean" or "last" over the real steps of `mask`, or "none".
     block: "ssm" (`SSMBlock`: norm, layer, activation or GLU, residual) or "mixer"
       (`MixerBlock`: pre-norm, layer, residual, then an optional pre-norm MLP and residual).
-    norm: "layer", "batch" or "rms", in the blocks and after them.
+    norm: "layer", "batch", "rms" or "rms_plus_one" (RMSNorm scaled by 1 + w, w from 0:
+      Gemma's, Qwen3-Next's), in the blocks and after them.
     norm_eps: the epsilon of every norm; None: flax's default (1e-6 for "layer" and "rms",
       1e-5 for "batch"). Published Mamba checkpoints use 1e-5.
     activation: "gelu", "glu" or "half_glu" (block "ssm", see `SSMBlock`).
@@ -212,6 +213,7 @@ class SequenceModel(nn.Module):
       a multiple of the pattern's length, one of length 1 over the blocks left ("tail").
     tie_embeddings: decode with the transposed token embedding (needs `vocab_size` equal to
       `num_outputs`); no separate decoder.
+    decoder_bias: a bias on the decoder (untied heads); published language models have none.
     scale_embeddings: multiply token embeddings by sqrt(`features`) (True: Gemma), or by this
       number (RecurrentGemma's checkpoints use sqrt(`features`) rounded to bfloat16).
     logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
@@ -240,6 +242,7 @@ class SequenceModel(nn.Module):
   prenorm: bool = True
   scan_blocks: bool = False
   tie_embeddings: bool = False
+  decoder_bias: bool = True
   scale_embeddings: bool | float = False
   logit_cap: float | None = None
   dtype: Any = None
@@ -318,7 +321,7 @@ class SequenceModel(nn.Module):
     if self.tie_embeddings:
       y = encoder.attend(x)
     else:
-      y = nn.Dense(self.num_outputs, name="decoder", **precision)(x)
+      y = nn.Dense(self.num_outputs, use_bias=self.decoder_bias, name="decoder", **precision)(x)
     return state, cap_logits(y, self.logit_cap)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,

@@ -1,7 +1,11 @@
-"""The RMS norms inside the layers (Mamba-2's and Gated DeltaNet's output norms)."""
+"""The RMS norms inside the layers (Mamba-2's and Gated DeltaNet's output norms), and the one
+scaled by 1 + w that Gemma-style models put between their blocks."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -26,3 +30,32 @@ def gated_rms_norm(y: Array, gate: Array, scale: Array, eps: float = EPS, groups
   u = u.reshape(*u.shape[:-1], groups, u.shape[-1] // groups)
   u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + eps)
   return u.reshape(y.shape) * common.leading_ones(scale, y.ndim)
+
+
+def rms_norm_plus_one(x: Array, weight: Array, eps: float, dtype: Any = None) -> Array:
+  """RMSNorm over the last axis scaled by 1 + `weight`, in float32 (or `x`'s wider dtype), cast
+  to `dtype` (None: `x`'s), as Gemma's, RecurrentGemma's and Qwen3-Next's norms compute it."""
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  y = x.astype(wide)
+  y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+  y = y * common.leading_ones(1 + weight.astype(wide), y.ndim)
+  return y.astype(x.dtype if dtype is None else dtype)
+
+
+class RMSNormPlusOne(nn.Module):
+  """RMSNorm scaled by 1 + w, w `(features,)` starting at 0 (a norm "rms_plus_one" of a model).
+
+  Attributes:
+    epsilon: added to the mean square.
+    dtype: the outputs' dtype; None: the inputs'.
+    param_dtype: w's dtype.
+  """
+
+  epsilon: float = 1e-6
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    weight = self.param("scale", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+    return rms_norm_plus_one(x, weight, self.epsilon, self.dtype)

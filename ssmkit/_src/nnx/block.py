@@ -26,20 +26,36 @@ from ssmkit._src.layers.block import (
   run_layer,
 )
 from ssmkit._src.layers.functional import ValueResidual
+from ssmkit._src.layers.norms import rms_norm_plus_one
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.layers import LRU
 
 Array = jax.Array
-Norm = nnx.LayerNorm | nnx.RMSNorm | nnx.BatchNorm
 
-# The NNX module of each norm; the linen block names its own `nn.<Module>_0` inside "norm".
+
+class RMSNormPlusOne(nnx.Module):
+  """RMSNorm scaled by 1 + `scale` (starting at 0), as `ssmkit.layers`' norm "rms_plus_one"."""
+
+  def __init__(self, features: int, *, epsilon: float = 1e-6, dtype: Any = None,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    del rngs
+    self.scale = nnx.Param(jnp.zeros((features,), param_dtype))
+    self.epsilon, self.dtype = epsilon, dtype
+
+  def __call__(self, x: Array) -> Array:
+    return rms_norm_plus_one(x, self.scale[...], self.epsilon, self.dtype)
+
+
+Norm = nnx.LayerNorm | nnx.RMSNorm | RMSNormPlusOne | nnx.BatchNorm
+
+# The NNX module of each norm; the linen block names its own `<Module>_0` inside "norm".
 NORM_MODULES: dict[str, type[Norm]] = {"layer": nnx.LayerNorm, "rms": nnx.RMSNorm,
-                                       "batch": nnx.BatchNorm}
+                                       "rms_plus_one": RMSNormPlusOne, "batch": nnx.BatchNorm}
 
 
 def make_norm(kind: str, features: int, rngs: nnx.Rngs, *, dtype: Any = None,
               param_dtype: Any = jnp.float32, eps: float | None = None) -> Norm:
-  """The norm "layer", "rms" or "batch" over `features`, with the linen block's settings
+  """The norm "layer", "rms", "rms_plus_one" or "batch" over `features`, with the linen block's settings
   (`eps` None: flax's default epsilon)."""
   check_choice(kind, NORMS, "norm")
   precision = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -50,7 +66,7 @@ def make_norm(kind: str, features: int, rngs: nnx.Rngs, *, dtype: Any = None,
 
 
 def norm_kind(norm: Norm) -> str:
-  """"layer", "rms" or "batch": the kind of the norm module `norm`."""
+  """"layer", "rms", "rms_plus_one" or "batch": the kind of the norm module `norm`."""
   return next(kind for kind, cls in NORM_MODULES.items() if isinstance(norm, cls))
 
 
@@ -146,7 +162,7 @@ class SSMBlock(_Block):
       layer: factory of the SSM layer, e.g. `functools.partial(ssmkit.nnx.S5, d_state=32)`.
       dtype: the computation dtype of the norm and projections; None: their inputs'.
       param_dtype: the dtype of their parameters (the layer has its own).
-      norm: "layer", "batch" or "rms".
+      norm: "layer", "batch", "rms" or "rms_plus_one".
       norm_eps: the norm's epsilon; None: flax's default.
       activation: "gelu", "glu" or "half_glu".
       dropout_rate: dropout after the activation and after the GLU, in training mode.
@@ -215,7 +231,7 @@ class MixerBlock(_Block):
       layer: factory of the mixer, e.g. `functools.partial(ssmkit.nnx.Attention, window=64)`.
       dtype: the computation dtype of the norms and the MLP; None: their inputs'.
       param_dtype: the dtype of their parameters (the layer has its own).
-      norm: "rms", "layer" or "batch".
+      norm: "rms", "rms_plus_one", "layer" or "batch".
       norm_eps: the norms' epsilon; None: flax's default.
       mlp: "none", "gelu", "geglu" or "swiglu" (see `ssmkit.layers.MixerBlock`).
       mlp_expansion: the MLP's hidden width over `features`.

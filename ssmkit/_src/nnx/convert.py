@@ -1,8 +1,8 @@
 """Trained parameters across the front ends: `from_linen` and `to_linen`.
 
 A linen layer's parameter tree and its NNX module's state have the same names. Around the
-layers the paths differ only in three ways: linen's `Norm` holds its flax norm as
-`LayerNorm_0`, `RMSNorm_0` or `BatchNorm_0`; linen's unrolled blocks are `block_<i>`
+layers the paths differ only in three ways: linen's `Norm` holds its norm as `LayerNorm_0`,
+`RMSNorm_0`, `RMSNormPlusOne_0` or `BatchNorm_0`; linen's unrolled blocks are `block_<i>`
 where NNX has `blocks/<i>`; linen's scanned blocks are `blocks/block` where NNX has `blocks`,
 or for a layer pattern `blocks/block_<j>` and `tail/block_<j>` where NNX has `blocks/<j>` and
 `tail/<j>`.
@@ -32,13 +32,14 @@ Module = Layer | SSMBlock | MixerBlock | SequenceModel
 # The options of a `SequenceModel` beside its layers, by the same names in both front ends.
 _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
                   "norm_eps", "activation", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate",
-                  "prenorm", "scan_blocks", "tie_embeddings", "scale_embeddings", "logit_cap", "dtype",
-                  "param_dtype")
+                  "prenorm", "scan_blocks", "tie_embeddings", "decoder_bias", "scale_embeddings",
+                  "logit_cap", "dtype", "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
 _COLLECTIONS: dict[type[nnx.Variable], str] = {nnx.Param: "params", nnx.BatchStat: "batch_stats"}
 # Where linen's `Norm` keeps the flax norm of each kind.
-_LINEN_NORM_SCOPES = {"layer": "LayerNorm_0", "rms": "RMSNorm_0", "batch": "BatchNorm_0"}
+_LINEN_NORM_SCOPES = {"layer": "LayerNorm_0", "rms": "RMSNorm_0",
+                      "rms_plus_one": "RMSNormPlusOne_0", "batch": "BatchNorm_0"}
 
 
 def _options(layer: Any) -> dict[str, Any]:

@@ -73,8 +73,9 @@ class SequenceModel(nnx.Module):
                norm_eps: float | None = None, activation: str = "glu", mlp: str = "none",
                mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
                prenorm: bool = True, scan_blocks: bool = False, tie_embeddings: bool = False,
-               scale_embeddings: bool | float = False, logit_cap: float | None = None, dtype: Any = None,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               decoder_bias: bool = True, scale_embeddings: bool | float = False,
+               logit_cap: float | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
     """Builds the model.
 
     Args:
@@ -87,7 +88,7 @@ class SequenceModel(nnx.Module):
       vocab_size: input vocabulary for token inputs; None for real-valued inputs.
       pooling: "mean" or "last" over the real steps of `mask`, or "none".
       block: "ssm" (`SSMBlock`) or "mixer" (`MixerBlock`).
-      norm: "layer", "batch" or "rms".
+      norm: "layer", "batch", "rms" or "rms_plus_one".
       norm_eps: the epsilon of every norm; None: flax's default.
       activation: "gelu", "glu" or "half_glu" (block "ssm").
       mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer").
@@ -99,6 +100,7 @@ class SequenceModel(nnx.Module):
         so compile time does not grow with depth (see `ssmkit.layers.SequenceModel`).
       tie_embeddings: decode with the transposed token embedding (`vocab_size` equal to
         `num_outputs`).
+      decoder_bias: a bias on the decoder (untied heads).
       scale_embeddings: multiply token embeddings by sqrt(`features`) (True) or by this number.
       logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
       dtype: the computation dtype of the activations, embeddings, norms and projections
@@ -127,6 +129,7 @@ class SequenceModel(nnx.Module):
     self.prenorm = prenorm
     self.scan_blocks = scan_blocks
     self.tie_embeddings = tie_embeddings
+    self.decoder_bias = decoder_bias
     self.scale_embeddings = scale_embeddings
     self.logit_cap = logit_cap
     self.dtype, self.param_dtype = dtype, param_dtype
@@ -152,8 +155,8 @@ class SequenceModel(nnx.Module):
       tail = nnx.List([stack(make, 1) for make in blocks[:rest]]) if rest else None
     self.tail = tail
     self.final_norm = make_norm(norm, features, rngs, eps=norm_eps, **precision) if prenorm else None
-    self.decoder = None if tie_embeddings else nnx.Linear(features, num_outputs, rngs=rngs,
-                                                          **precision)
+    self.decoder = None if tie_embeddings else nnx.Linear(
+        features, num_outputs, use_bias=decoder_bias, rngs=rngs, **precision)
 
   def _run_blocks(self, x: Array, mask: Array | None, reset: Array | None, state: Any,
                   **flags: Any) -> tuple[Array, Any]:

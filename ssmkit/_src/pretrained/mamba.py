@@ -45,13 +45,15 @@ def options(fields: Fields) -> dict[str, Any]:
   layer = functools.partial(Mamba, d_state=fields.int("state_size", 16),
                             d_conv=fields.int("conv_kernel", 4), expand=expand,
                             use_bias=bool(fields.get("use_bias", False)),
+                            use_conv_bias=bool(fields.get("use_conv_bias", True)),
                             dt_rank=math.ceil(features / 16) if rank == "auto" else fields.int(
                                 "time_step_rank"))
   vocab = fields.int("vocab_size")
   return dict(num_outputs=vocab, vocab_size=vocab, features=features,
               num_blocks=fields.int("num_hidden_layers"), layer=layer, pooling="none",
               block="mixer", norm="rms", norm_eps=fields.float("layer_norm_epsilon", 1e-5),
-              mlp="none", tie_embeddings=fields.get("tie_word_embeddings", True))
+              mlp="none", tie_embeddings=fields.get("tie_word_embeddings", True),
+              decoder_bias=False)
 
 
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
@@ -63,14 +65,11 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
     prefix = f"backbone.layers.{i}"
     mixer = f"{prefix}.mixer"
     linear = lambda name, out, into, mixer=mixer: tensors.take(f"{mixer}.{name}.weight", (out, into)).T
-    conv_bias = (tensors.take(f"{mixer}.conv1d.bias", (inner,)) if fields.get("use_conv_bias", True)
-                 else np.zeros(inner, np.float32))
     tree[f"block_{i}"] = {
         "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
         "mixer": {
             "in_proj": linear("in_proj", 2 * inner, features),
             "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner, 1, k))[:, 0, :].T,
-            "conv_bias": conv_bias,
             "x_proj": linear("x_proj", rank + 2 * n, inner),
             "dt_proj": linear("dt_proj", inner, rank),
             "dt_bias": tensors.take(f"{mixer}.dt_proj.bias", (inner,)),
@@ -79,6 +78,8 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
             "out_proj": linear("out_proj", features, inner),
         },
     }
+    if layer.use_conv_bias:
+      tree[f"block_{i}"]["mixer"]["conv_bias"] = tensors.take(f"{mixer}.conv1d.bias", (inner,))
     if layer.use_bias:
       tree[f"block_{i}"]["mixer"].update(
           in_proj_bias=tensors.take(f"{mixer}.in_proj.bias", (2 * inner,)),
@@ -89,7 +90,7 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
 def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
   """The embedding, final norm and head of a Mamba or Mamba-2 checkpoint (`backbone.embeddings`,
   `backbone.norm_f`, `lm_head`): a tied head is the embedding (and a saved copy of it is read
-  and dropped); an untied one is ssmkit's decoder with a zero bias."""
+  and dropped); an untied one is ssmkit's decoder, without a bias."""
   vocab, features = model.vocab_size, model.features
   tree: dict[str, Any] = {
       "encoder": {"embedding": tensors.take("backbone.embeddings.weight", (vocab, features))},
@@ -99,12 +100,11 @@ def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
 
 
 def head(tensors: Tensors, model: Any) -> dict[str, Any]:
-  """The decoder of an untied `lm_head` (ssmkit's, with a zero bias), or nothing for a tied one,
+  """The decoder of an untied `lm_head` (`decoder_bias=False`), or nothing for a tied one,
   whose saved copy of the embedding is read and dropped."""
   vocab, features = model.vocab_size, model.features
   if not model.tie_embeddings:
-    return {"decoder": {"kernel": tensors.take("lm_head.weight", (vocab, features)).T,
-                        "bias": np.zeros(vocab, np.float32)}}
+    return {"decoder": {"kernel": tensors.take("lm_head.weight", (vocab, features)).T}}
   if tensors.has("lm_head.weight"):
     tensors.take("lm_head.weight", (vocab, features))
   return {}
@@ -113,20 +113,14 @@ def head(tensors: Tensors, model: Any) -> dict[str, Any]:
 def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """`(config.json fields, tensors)` of a Mamba model: its blocks' parameters `blocks` and the
-  rest of `params`. Convolution biases that are all zero are left out, as a checkpoint without
-  them (`use_conv_bias: false`) has them."""
+  rest of `params`."""
   tensors = {**_block_tensors(blocks), **head_tensors(model, params)}
-  conv_biases = [name for name in tensors if name.endswith("conv1d.bias")]
-  use_conv_bias = any(np.any(tensors[name]) for name in conv_biases)
-  if not use_conv_bias:
-    for name in conv_biases:
-      del tensors[name]
   layer = model.layer()
   return {"model_type": "mamba", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "intermediate_size": layer.expand * model.features, "conv_kernel": layer.d_conv,
           "time_step_rank": layer.dt_rank or math.ceil(model.features / 16),
-          "use_bias": layer.use_bias, "use_conv_bias": use_conv_bias, "hidden_act": "silu",
+          "use_bias": layer.use_bias, "use_conv_bias": layer.use_conv_bias, "hidden_act": "silu",
           "residual_in_fp32": True, **head_fields(model)}, tensors
 
 
@@ -140,14 +134,14 @@ def head_tensors(model: Any, params: dict[str, Any]) -> dict[str, np.ndarray]:
   """The embedding, final norm and head tensors of a Mamba or Mamba-2 model.
 
   Raises:
-    CheckpointError: when the untied decoder's bias is not zero: `lm_head` has none.
+    CheckpointError: when the untied decoder has a bias that is not zero: `lm_head` has none.
   """
   tensors = {"backbone.embeddings.weight": params["encoder"]["embedding"],
              "backbone.norm_f.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
   if not model.tie_embeddings:
-    if np.any(params["decoder"]["bias"]):
-      raise CheckpointError("`variables`: the decoder's bias is not zero, and transformers' "
-                            "lm_head has none.")
+    if np.any(params["decoder"].get("bias", 0)):
+      raise CheckpointError("`variables`: the untied decoder has a bias that is not zero, and "
+                            "transformers' lm_head has none (`decoder_bias=False` leaves it out).")
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
   return tensors
 
@@ -163,11 +157,12 @@ def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     tensors.update({
         f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
         f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
-        f"{prefix}.mixer.conv1d.bias": mixer["conv_bias"],
         f"{prefix}.mixer.dt_proj.bias": mixer["dt_bias"],
         f"{prefix}.mixer.A_log": mixer["A_log"],
         f"{prefix}.mixer.D": mixer["D"],
     })
+    if "conv_bias" in mixer:
+      tensors[f"{prefix}.mixer.conv1d.bias"] = mixer["conv_bias"]
     if "in_proj_bias" in mixer:
       tensors[f"{prefix}.mixer.in_proj.bias"] = mixer["in_proj_bias"]
       tensors[f"{prefix}.mixer.out_proj.bias"] = mixer["out_proj_bias"]

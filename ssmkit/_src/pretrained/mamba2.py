@@ -50,14 +50,16 @@ def options(fields: Fields) -> dict[str, Any]:
     raise CheckpointError(f"{fields.source}: `time_step_limit` must be [low, high], got {limit!r}.")
   eps = fields.float("layer_norm_epsilon", 1e-5)
   layer = functools.partial(Mamba2, d_state=fields.int("state_size", 128),
-                            d_conv=fields.int("conv_kernel", 4), expand=expand, head_dim=head_dim,
+                            d_conv=fields.int("conv_kernel", 4),
+                            use_conv_bias=bool(fields.get("use_conv_bias", True)),
+                            expand=expand, head_dim=head_dim,
                             n_groups=fields.int("n_groups", 1), dt_limit=tuple(map(float, limit)),
                             norm_eps=eps, norm_per_group=True)
   vocab = fields.int("vocab_size")
   return dict(num_outputs=vocab, vocab_size=vocab, features=features,
               num_blocks=fields.int("num_hidden_layers"), layer=layer, pooling="none",
               block="mixer", norm="rms", norm_eps=eps, mlp="none",
-              tie_embeddings=fields.get("tie_word_embeddings", False))
+              tie_embeddings=fields.get("tie_word_embeddings", False), decoder_bias=False)
 
 
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
@@ -69,15 +71,12 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
     mixer = f"{prefix}.mixer"
-    conv_bias = (tensors.take(f"{mixer}.conv1d.bias", (inner + bc,))
-                 if fields.get("use_conv_bias", True) else np.zeros(inner + bc, np.float32))
     tree[f"block_{i}"] = {
         "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
         "mixer": {
             "in_proj": tensors.take(f"{mixer}.in_proj.weight",
                                     (2 * inner + bc + heads, features)).T,
             "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
-            "conv_bias": conv_bias,
             "dt_bias": tensors.take(f"{mixer}.dt_bias", (heads,)),
             "A_log": tensors.take(f"{mixer}.A_log", (heads,)),
             "D": tensors.take(f"{mixer}.D", (heads,)),
@@ -85,6 +84,8 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
             "out_proj": tensors.take(f"{mixer}.out_proj.weight", (features, inner)).T,
         },
     }
+    if layer.use_conv_bias:
+      tree[f"block_{i}"]["mixer"]["conv_bias"] = tensors.take(f"{mixer}.conv1d.bias", (inner + bc,))
   return {**tree, **embedding_and_head(tensors, model)}
 
 
@@ -112,7 +113,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
           "n_groups": layer.n_groups, "conv_kernel": layer.d_conv, "time_step_limit": [low, high],
-          "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
+          "use_bias": False, "use_conv_bias": layer.use_conv_bias, "hidden_act": "silu",
           "residual_in_fp32": True, **fields}, {
               **_block_tensors(blocks), **mamba.head_tensors(model, params)}
 
@@ -126,11 +127,12 @@ def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
         f"{prefix}.mixer.in_proj.weight": mixer["in_proj"].T,
         f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
-        f"{prefix}.mixer.conv1d.bias": mixer["conv_bias"],
         f"{prefix}.mixer.dt_bias": mixer["dt_bias"],
         f"{prefix}.mixer.A_log": mixer["A_log"],
         f"{prefix}.mixer.D": mixer["D"],
         f"{prefix}.mixer.norm.weight": mixer["norm_scale"],
         f"{prefix}.mixer.out_proj.weight": mixer["out_proj"].T,
     })
+    if "conv_bias" in mixer:
+      tensors[f"{prefix}.mixer.conv1d.bias"] = mixer["conv_bias"]
   return tensors

@@ -3,10 +3,10 @@
 Griffin: the config's `block_types` (RG-LRU "recurrent" blocks and local "attention") cycled
 over the layers, each a pre-norm mixer block with a GeGLU MLP (biases, each branch
 `intermediate_size / 2` wide), then a final RMSNorm, the embedding's transpose as the head and
-a soft cap of the logits. Gemma's norms scale by 1 + weight: ssmkit's RMSNorm scales are the
-stored weights plus one. The embeddings are scaled by sqrt(hidden) rounded to bfloat16, as
-`transformers` keeps the constant. The attention blocks have an output bias and no
-query/key/value biases: ssmkit's `use_bias` gives all four, the other three zero.
+a soft cap of the logits. Gemma's norms scale by 1 + weight: ssmkit's norm "rms_plus_one",
+whose parameters are the stored weights. The embeddings are scaled by sqrt(hidden) rounded to
+bfloat16, as `transformers` keeps the constant. The attention blocks have an output bias and no
+query/key/value biases: `Attention(use_bias=False, out_bias=True)`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ssmkit._src.pretrained.mamba import head
 ARCHITECTURE = "RecurrentGemmaForCausalLM"
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (RGLRU, Attention)
-REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "geglu", "mlp_bias": True, "prenorm": True,
-            "pooling": "none", "tie_embeddings": True}
+REQUIRED = {"block": "mixer", "norm": "rms_plus_one", "mlp": "geglu", "mlp_bias": True,
+            "prenorm": True, "pooling": "none", "tie_embeddings": True}
 _KINDS = {RGLRU: "recurrent", Attention: "attention"}
 
 
@@ -68,13 +68,13 @@ def options(fields: Fields) -> dict[str, Any]:
       head_dim=head_dim, rope_base=float(rope.get("rope_theta", 10_000.0)),
       rope_fraction=float(rope.get("partial_rotary_factor", 0.5)),
       window=fields.int("attention_window_size", 2048),
-      cache_size=fields.int("attention_window_size", 2048), use_bias=True)
+      cache_size=fields.int("attention_window_size", 2048), use_bias=False, out_bias=True)
   layers = {"recurrent": rglru, "attention": attention}
   vocab, blocks = fields.int("vocab_size"), fields.int("num_hidden_layers")
   pattern = tuple(layers[kind] for kind in kinds)[:blocks]
   mlp_width = fields.int("intermediate_size") // 2
   return dict(num_outputs=vocab, vocab_size=vocab, features=features, num_blocks=blocks,
-              layer=pattern, pooling="none", block="mixer", norm="rms",
+              layer=pattern, pooling="none", block="mixer", norm="rms_plus_one",
               norm_eps=fields.float("rms_norm_eps", 1e-6), mlp="geglu",
               mlp_expansion=mlp_width / features, mlp_bias=True,
               tie_embeddings=fields.get("tie_word_embeddings", True),
@@ -85,7 +85,7 @@ def options(fields: Fields) -> dict[str, Any]:
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   features, vocab = model.features, model.vocab_size
-  gemma_norm = lambda name: {"RMSNorm_0": {"scale": 1 + tensors.take(name, (features,))}}
+  gemma_norm = lambda name: {"RMSNormPlusOne_0": {"scale": tensors.take(name, (features,))}}
   mlp_width = round(model.mlp_expansion * features)
   tree: dict[str, Any] = {
       "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
@@ -136,11 +136,8 @@ def _attention(tensors: Tensors, mixer: str, layer: Attention, features: int) ->
   take = lambda name, shape: tensors.take(f"{mixer}.{name}", shape)
   return {
       "q_proj": take("q_proj.weight", (heads * head_dim, features)).T,
-      "q_bias": np.zeros(heads * head_dim, np.float32),
       "k_proj": take("k_proj.weight", (kv * head_dim, features)).T,
-      "k_bias": np.zeros(kv * head_dim, np.float32),
       "v_proj": take("v_proj.weight", (kv * head_dim, features)).T,
-      "v_bias": np.zeros(kv * head_dim, np.float32),
       "o_proj": take("o_proj.weight", (features, heads * head_dim)).T,
       "o_bias": take("o_proj.bias", (features,)),
   }
@@ -170,8 +167,9 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     _expect(layer.head_dim in (None, features // layer.num_heads), "Attention.head_dim",
             "features / num_heads")
     _expect(layer.rope_fraction == 0.5, "Attention.rope_fraction", "0.5")
-    _expect(layer.use_bias and not layer.qk_norm and layer.logit_cap is None, "Attention",
-            "use_bias=True (an output bias), no qk_norm, no logit_cap")
+    out_bias = layer.use_bias if layer.out_bias is None else layer.out_bias
+    _expect(out_bias and not layer.qk_norm and layer.logit_cap is None, "Attention",
+            "out_bias=True (an output bias), no qk_norm, no logit_cap")
   width = (recurrent[0].d_state or features) if recurrent else features
   fields = {
       "model_type": "recurrent_gemma", "hidden_size": features, "num_hidden_layers": model.num_blocks,
@@ -189,13 +187,13 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
                   attention_window_size=layer.window or layer.cache_size,
                   rope_parameters={"rope_type": "default", "rope_theta": layer.rope_base,
                                    "partial_rotary_factor": 0.5})
-  gemma = lambda scale: np.asarray(scale, np.float32) - 1
+  gemma = lambda norm: norm["RMSNormPlusOne_0"]["scale"]
   tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.final_norm.weight": gemma(params["final_norm"]["RMSNorm_0"]["scale"])}
+             "model.final_norm.weight": gemma(params["final_norm"])}
   for i, block in enumerate(blocks):
     prefix, mixer = f"model.layers.{i}", block["mixer"]
-    tensors[f"{prefix}.temporal_pre_norm.weight"] = gemma(block["norm"]["RMSNorm_0"]["scale"])
-    tensors[f"{prefix}.channel_pre_norm.weight"] = gemma(block["mlp_norm"]["RMSNorm_0"]["scale"])
+    tensors[f"{prefix}.temporal_pre_norm.weight"] = gemma(block["norm"])
+    tensors[f"{prefix}.channel_pre_norm.weight"] = gemma(block["mlp_norm"])
     for name in ("gate", "up", "down"):
       tensors[f"{prefix}.mlp_block.{name}_proj.weight"] = block[f"mlp_{name}"]["kernel"].T
       tensors[f"{prefix}.mlp_block.{name}_proj.bias"] = block[f"mlp_{name}"]["bias"]
@@ -209,7 +207,7 @@ def _settings(layer: Any) -> tuple[Any, ...]:
   if isinstance(layer, RGLRU):
     return layer.d_state, layer.d_conv
   return (layer.num_kv_heads, layer.head_dim, layer.rope_base, layer.window, layer.rope_fraction,
-          layer.use_bias)
+          layer.use_bias, layer.out_bias)
 
 
 def _expect(holds: bool, option: str, what: str) -> None:
@@ -232,7 +230,7 @@ def _rglru_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
-  if any(np.any(mixer[f"{name}_bias"]) for name in "qkv"):
+  if any(np.any(mixer.get(f"{name}_bias", 0)) for name in "qkv"):
     raise CheckpointError("`variables`: an attention block's query, key or value bias is not "
                           "zero, and RecurrentGemma's attention has only an output bias.")
   return {"q_proj.weight": mixer["q_proj"].T, "k_proj.weight": mixer["k_proj"].T,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from typing import Any
 
 import jax
@@ -11,13 +12,21 @@ import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
 from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
-from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError
+from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
+from ssmkit._src.pretrained.load import checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
 WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma)
+# What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
+# generation settings, and the special tokens its config.json names.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "generation_config.json")
+CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.Path:
+def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
+         source: str | pathlib.Path | None = None) -> pathlib.Path:
   """Writes `model` as `config.json` and `model.safetensors` that `transformers` loads as the
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
@@ -30,6 +39,10 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
       its NNX twin (then `variables` is ignored).
     variables: the linen model's variables (`{"params": ...}`), e.g. of a trained `lm` run.
     directory: the folder to write; created if needed.
+    source: where the model came from, whose tokenizer goes with it: a checkpoint folder or hub
+      id (its `CARRIED_FILES` that exist are copied, e.g. `tokenizer.json` and
+      `generation_config.json`, and its config.json's special token ids written), or a
+      `tokenizer.json` file. `ssmkit export` passes a fine-tuning run's `model.pretrained`.
 
   Returns:
     The directory.
@@ -51,6 +64,8 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path) -> pathlib.P
 
   folder = pathlib.Path(directory)
   folder.mkdir(parents=True, exist_ok=True)
+  if source is not None:
+    config.update(_carry(source, folder))
   (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
   save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
             str(folder / SINGLE), metadata={"format": "pt"})
@@ -88,3 +103,28 @@ def _blocks(model: SequenceModel, params: dict[str, Any]) -> list[dict[str, Any]
   size = len(model.layer)
   return [take(params["blocks"][f"block_{i % size}"], i // size) if i < repeats * size
           else take(params["tail"][f"block_{i % size}"], 0) for i in range(model.num_blocks)]
+
+
+def _carry(source: str | pathlib.Path, folder: pathlib.Path) -> dict[str, Any]:
+  """Copies the tokenizer files of `source` (a checkpoint or a tokenizer.json) into `folder`, and
+  returns the special token ids of its config.json.
+
+  Raises:
+    CheckpointError: naming `source` when it is neither.
+  """
+  path = pathlib.Path(source).expanduser()
+  if path.is_file():
+    if path.name != "tokenizer.json":
+      raise CheckpointError(f"`source` {str(source)!r} is a file but no tokenizer.json; give the "
+                            "checkpoint folder the model came from, or its tokenizer.json.")
+    if path.resolve() != (folder / path.name).resolve():
+      shutil.copyfile(path, folder / path.name)
+    return {}
+  origin = checkpoint_directory(source)
+  for name in CARRIED_FILES:
+    if (origin / name).is_file() and (origin / name).resolve() != (folder / name).resolve():
+      shutil.copyfile(origin / name, folder / name)
+  if not (origin / CONFIG).is_file():
+    return {}
+  values = read_config(origin)
+  return {name: values[name] for name in CARRIED_FIELDS if name in values}

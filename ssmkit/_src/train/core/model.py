@@ -70,6 +70,8 @@ class ModelConfig:
   scan_blocks: bool = False
   # Decode tokens with the transposed input embedding (per-step token targets of the input vocabulary).
   tie_embeddings: bool = False
+  # A bias on the decoder (an untied head); published language models have none.
+  decoder_bias: bool = True
   # Multiply token embeddings by sqrt(features).
   scale_embeddings: bool = False
   # Soft-cap the outputs to logit_cap * tanh(y / logit_cap); null for none.
@@ -102,7 +104,7 @@ POSITIVE = ("model.mlp_expansion", "model.logit_cap", "model.norm_eps")
 # The options of `ssmkit.layers.SequenceModel` that the section gives by the same names.
 _MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "norm_eps", "activation", "mlp",
                   "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm", "scan_blocks",
-                  "tie_embeddings", "scale_embeddings", "logit_cap")
+                  "tie_embeddings", "decoder_bias", "scale_embeddings", "logit_cap")
 # Names of the layer's scope inside an `ssmkit.layers.SSMBlock` and a `MixerBlock`.
 _LAYER_SCOPES = ("ssm", "mixer")
 

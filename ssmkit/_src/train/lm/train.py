@@ -196,11 +196,13 @@ def load(workdir: str | pathlib.Path, step: int | None = None
 def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str, max_tokens: int, *,
              tokenizer: data.Tokenizer | None = None, rng: Any = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None) -> str:
-  """The text a language model writes after `prompt`, as the start of a document.
+  """The prompt and the text a language model writes after it, as the start of a document.
 
   The prompt follows an end-of-document token (every document of a run starts with one); the
   model continues it with `ssmkit.layers.generate` until it writes the end-of-document token
-  or `max_tokens` tokens.
+  or `max_tokens` tokens, and the prompt's tokens and the new ones are decoded as one sequence
+  (so a word-level tokenizer puts its separator between them, and bytes split across the
+  prompt's end join).
 
   Args:
     model, variables: a language model of a `task: lm` run, e.g. from `load`.
@@ -212,7 +214,7 @@ def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str
       (the default) is greedy.
 
   Returns:
-    The continuation, without the prompt.
+    The prompt and its continuation, decoded together.
 
   Raises:
     ValueError: naming `tokenizer` when its vocabulary is not the model's, and as
@@ -222,7 +224,9 @@ def complete(model: layers.SequenceModel, variables: dict[str, Any], prompt: str
   if coder.vocab_size != model.vocab_size:
     raise ValueError(f"`tokenizer` has {coder.vocab_size} tokens, but the model reads "
                      f"{model.vocab_size}: give the tokenizer of the model's run.")
-  tokens = np.array([[coder.eod, *coder.encode(prompt)]], np.int32)
+  prompt_tokens = np.asarray(coder.encode(prompt), np.int32)
+  tokens = np.concatenate([[coder.eod], prompt_tokens]).astype(np.int32)[None]
   written = layers.generate(model, variables, tokens, max_tokens, rng=rng, temperature=temperature,
                             top_k=top_k, top_p=top_p, eos_token=coder.eod)
-  return _until_the_end(np.asarray(written)[0], coder)
+  return coder.decode(np.concatenate([prompt_tokens,
+                                      until_the_end(np.asarray(written)[0], coder.eod)]))
