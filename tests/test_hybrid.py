@@ -123,6 +123,11 @@ def test_norm_eps_reaches_every_norm_of_both_front_ends():
   assert snx.to_linen(twin)[0].norm_eps == 0.5
   with pytest.raises(ValueError, match=r"`norm_eps` must be > 0 or None, got 0.0"):
     compiled.init(_model(num_blocks=2, norm_eps=0.0), x.shape, 0, "int32")
+  for name, value in (("dtype", "bfloat17"), ("dtype", "int32"), ("param_dtype", None)):
+    with pytest.raises(ValueError, match=rf"`{name}` must be a floating dtype .* got {value!r}"):
+      compiled.init(_model(num_blocks=2, **{name: value}), x.shape, 0, "int32")
+    with pytest.raises(ValueError, match=rf"`{name}` must be a floating dtype"):
+      snx.SequenceModel(None, VOCAB, vocab_size=VOCAB, **{name: value}, rngs=nnx.Rngs(0))
 
 
 def _model(pattern="griffin", **kwargs):

@@ -206,6 +206,12 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_float32():
     (dict(rotary="neox"), "`rotary` must be one of"),
     (dict(initial_state=Mamba3State(np.zeros((2, 6, 3)), np.zeros((2, 2)), np.zeros((2, 6)),
                                     np.zeros((2, 2)))), "`initial_state` must have the shapes"),
+    # Values known at trace time, as `delta_rule` checks its decays.
+    (dict(log_decay=np.full((5, 2), 0.5)), r"`log_decay` must be finite and <= 0 \(a decay"),
+    (dict(log_decay=np.full((5, 2), np.nan)), r"`log_decay` must be finite .* 10 non-finite"),
+    (dict(step_size=np.full((5, 2), -0.1)), r"`step_size` must be finite and >= 0 \(a step"),
+    (dict(trapezoid=np.full((5, 2), 1.5)),
+     r"`trapezoid` must be finite and >= 0 and <= 1 .* values in \[1.5, 1.5\]"),
 ])
 def test_bad_inputs_are_named(change, match):
   x = _inputs(np.random.default_rng(10), None, (), 5)
@@ -213,3 +219,13 @@ def test_bad_inputs_are_named(change, match):
               trapezoid=x["trapezoid"], angle_rate=x["angle_rate"], reset=x["reset"]) | change
   with pytest.raises(ValueError, match=match):
     mamba3(**args)
+
+
+def test_traced_values_out_of_range_are_the_callers_and_the_layer_skips_the_check():
+  """Under `jit` the values are unknown: a positive decay computes (it grows), as `delta_rule`
+  does; `check_values=False` takes concrete values unchecked (the layer's NaN flows through)."""
+  x = _inputs(np.random.default_rng(10), None, (), 5)
+  args = (x["q"], x["k"], x["v"], np.full((5, 2), 0.5), x["step_size"], x["trapezoid"])
+  out = jax.jit(mamba3)(*args)
+  assert np.all(np.isfinite(out))
+  np.testing.assert_array_equal(mamba3(*args, check_values=False), out)

@@ -164,6 +164,12 @@ def test_a_recurrent_gemma_config_that_does_not_fit_is_named(changes, message, t
     ssmkit.pretrained.load(folder)
 
 
+def test_a_computation_dtype_that_is_none_is_named():
+  for dtype in ("bfloat17", "int8"):
+    with pytest.raises(ValueError, match=rf"`dtype` must be a floating dtype .* got {dtype!r}"):
+      ssmkit.pretrained.load(FIXTURES / "mamba", dtype=dtype)
+
+
 def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"neither a checkpoint directory nor"):
     ssmkit.pretrained.load(tmp_path / "nothing" / "here" / "at_all")

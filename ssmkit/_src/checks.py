@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -93,3 +94,38 @@ def check_shape(x: jnp.ndarray, shape: Sequence[int], name: str, what: str) -> N
 def check_bool(x: jnp.ndarray, name: str) -> None:
   if x.dtype != jnp.bool_:
     raise TypeError(f"`{name}` must be a boolean array, got dtype {x.dtype}.")
+
+
+def check_known_values(x, name: str, low: float = -np.inf, high: float = np.inf,
+                       meaning: str = "") -> None:
+  """Refuses non-finite values of `x`, or values outside [`low`, `high`], where they are known at
+  trace time (`x` not traced), naming `name`, the range and the values found. Traced values are
+  the caller's to document.
+
+  Args:
+    x: an array, or a tracer (then nothing is checked).
+    name: the argument's name.
+    low, high: the closed range the values must lie in.
+    meaning: what the range means, said after it (", a decay exp(g) in (0, 1]").
+  """
+  if isinstance(x, jax.core.Tracer):
+    return
+  value = np.asarray(x)
+  finite = np.isfinite(value)
+  if not value.size or (np.all(finite) and low <= value.min() and value.max() <= high):
+    return
+  count = value.size - np.count_nonzero(finite)
+  got = [f"{count} non-finite values"] if count else []
+  if np.any(finite):
+    got.append(f"{'the finite ones' if count else 'values'} in "
+               f"[{value[finite].min()}, {value[finite].max()}]")
+  bounds = " and ".join(part for part, bound in ((f">= {low:g}", low), (f"<= {high:g}", high))
+                        if np.isfinite(bound))
+  raise ValueError(f"`{name}` must be finite{' and ' + bounds if bounds else ''}{meaning}, got "
+                   f"{', '.join(got)}.")
+
+
+def check_log_decay(log_decay, name: str = "log_decay") -> None:
+  """Refuses positive or non-finite log-decays known at trace time (`check_known_values`)."""
+  check_known_values(log_decay, name, high=0.0,
+                     meaning=" (a decay exp(g) in (0, 1]; use `reset` to clear the state)")

@@ -95,6 +95,20 @@ def check_positive_int(value: Any, name: str) -> None:
     raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
+def check_float_dtype(value: Any, name: str, optional: bool = True) -> None:
+  """Raises a ValueError naming `name` unless `value` names a floating dtype (or is None, when
+  `optional`): `jnp.bfloat16`, "float32", ..."""
+  if value is None and optional:
+    return
+  try:
+    kind = None if value is None else jnp.dtype(value)  # jnp.dtype(None) is the default float
+  except TypeError:
+    kind = None
+  if kind is None or not jnp.issubdtype(kind, jnp.floating):
+    raise ValueError(f"`{name}` must be a floating dtype such as jnp.bfloat16 or 'float32'"
+                     f"{' (or None)' if optional else ''}, got {value!r}.")
+
+
 def check_causal(cfg: Any, what: str) -> None:
   """Raises a ValueError for a bidirectional layer (S4D, S5) asked for `what` (a step, a state)."""
   if getattr(cfg, "bidirectional", False):

@@ -114,6 +114,8 @@ def check_model(model: Any) -> None:
     raise ValueError(f"`logit_cap` must be > 0 or None, got {model.logit_cap!r}.")
   if model.norm_eps is not None and not model.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0 or None, got {model.norm_eps!r}.")
+  common.check_float_dtype(model.dtype, "dtype")
+  common.check_float_dtype(model.param_dtype, "param_dtype", optional=False)
   length = len(layer_pattern(model.layer))
   if model.scan_blocks and model.num_blocks < length:
     raise ValueError(f"`scan_blocks` needs `num_blocks` >= the length of the layer pattern, got "

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ssmkit._src import checks
 from ssmkit._src.linear_recurrence import output_and_state_dtypes
@@ -52,24 +51,6 @@ class Inputs(NamedTuple):
 
 # The floating arrays of `Inputs`, every one the recurrence is differentiable in.
 FLOATS = ("q", "k", "v", "log_decay", "beta", "a", "b", "state")
-
-
-def _check_log_decay_values(log_decay: Array) -> None:
-  """Refuses positive or non-finite decays where the values are known at trace time."""
-  if isinstance(log_decay, jax.core.Tracer):
-    return
-  value = np.asarray(log_decay)
-  finite = np.isfinite(value)
-  if value.size and not (np.all(finite) and value.max() <= 0):
-    count = value.size - np.count_nonzero(finite)
-    got = [f"{count} non-finite values"] if count else []
-    if np.any(finite):
-      got.append(f"{'the finite ones' if count else 'values'} in "
-                 f"[{value[finite].min()}, {value[finite].max()}]")
-    raise ValueError(
-        "`log_decay` must be finite and <= 0 (a decay exp(g) in (0, 1]; use `reset` to clear "
-        f"the state), got {', '.join(got)}."
-    )
 
 
 def prepare(
@@ -117,7 +98,7 @@ def prepare(
       raise ValueError(f"`log_decay` must be (..., T, H) or (..., T, H, K): {step_shape} or "
                        f"{q.shape}, got {log_decay.shape}.")
     if check_log_decay:
-      _check_log_decay_values(log_decay)
+      checks.check_log_decay(log_decay)
     dtypes.append(log_decay.dtype)
   if beta is not None:
     beta = checks.real_floating(beta, "beta")

@@ -262,6 +262,7 @@ def mamba3(
     return_final_state: bool = False,
     axis_name: Hashable | None = None,
     precision: lax.PrecisionLike = None,
+    check_values: bool = True,
 ):
   """Mamba-3's recurrence: exponential-trapezoidal inputs, rotary state, SISO or MIMO.
 
@@ -306,6 +307,10 @@ def mamba3(
     return_final_state: also return the `Mamba3State` after the last token.
     axis_name: sequence parallelism as in `linear_attention`, tokens split over the devices.
     precision: precision of the matrix products (`jax.lax.Precision`).
+    check_values: whether to refuse a positive `log_decay`, a negative `step_size` or a
+      `trapezoid` outside [0, 1] (or non-finite values of these) known at trace time, as
+      `delta_rule`'s `check_log_decay` does; the layer, whose values are in range by
+      construction, passes False.
 
   Returns:
     `o`, `v`'s shape, in the dtype of q, k and v (bfloat16 inputs accumulate in float32);
@@ -313,8 +318,8 @@ def mamba3(
 
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
-    ValueError: for shapes that do not fit `log_decay` and each other, or an unknown
-      `rotary`.
+    ValueError: for shapes that do not fit `log_decay` and each other, values out of range
+      known at trace time (`check_values`), or an unknown `rotary`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -333,6 +338,11 @@ def mamba3(
   """
   q, k, v, log_decay, step_size, trapezoid, angle_rate, reset, mimo = _check(
       q, k, v, log_decay, step_size, trapezoid, angle_rate, rotary, reset)
+  if check_values:
+    checks.check_log_decay(log_decay)
+    checks.check_known_values(step_size, "step_size", low=0.0, meaning=" (a step dt_t)")
+    checks.check_known_values(trapezoid, "trapezoid", low=0.0, high=1.0,
+                              meaning=" (lambda_t, the current token's share of the step)")
   time = log_decay.ndim - 2
   if initial_state is not None:
     initial_state = _check_state(initial_state, q, v, log_decay, angle_rate, mimo)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from ssmkit._src.layers.common import check_float_dtype
 from ssmkit._src.layers.model import SequenceModel
 from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
 from ssmkit._src.pretrained.config import Fields
@@ -76,6 +77,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
     ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'RecurrentGemmaForCausalLM']
   """
+  check_float_dtype(dtype, "dtype")
   directory = checkpoint_directory(path_or_repo_id)
   values = read_config(directory)
   fields = Fields(values, directory / CONFIG)
