@@ -96,6 +96,13 @@ def _edit_config(folder, **changes):
   path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def _drop_config_field(folder, name):
+  path = folder / "config.json"
+  values = json.loads(path.read_text())
+  del values[name]
+  path.write_text(json.dumps(values))
+
+
 def _edit_weights(folder, edit):
   path = folder / "model.safetensors"
   tensors = load_file(str(path))
@@ -106,10 +113,16 @@ def _edit_weights(folder, edit):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        # `model_type` chooses the architecture, as in transformers; `architectures` must agree.
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
-         r"`architectures` \['GPT2LMHeadModel'\] names none that ssmkit loads "
-         r"\(FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM, "
-         r"RecurrentGemmaForCausalLM\)"),
+         r"`architectures` \['GPT2LMHeadModel'\] contradicts `model_type` 'mamba', whose causal "
+         r"language model is a MambaForCausalLM"),
+        (lambda f: _edit_config(f, model_type="mamba2"),
+         r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
+        (lambda f: _edit_config(f, model_type="llama"),
+         r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, "
+         r"recurrent_gemma\)"),
+        (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
         (lambda f: _edit_config(f, hidden_size=None), r"the field `hidden_size` is missing"),
@@ -130,6 +143,12 @@ def test_a_checkpoint_that_does_not_fit_is_named(change, message, tmp_path):
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
     ssmkit.pretrained.load(folder)
+
+
+def test_a_config_without_architectures_loads_by_its_model_type(tmp_path):
+  folder = _copy(tmp_path)
+  _drop_config_field(folder, "architectures")
+  np.testing.assert_array_equal(_logits(folder), _logits(FIXTURES / "mamba"))
 
 
 @pytest.mark.parametrize(

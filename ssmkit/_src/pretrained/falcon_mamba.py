@@ -16,6 +16,7 @@ from ssmkit._src.pretrained import mamba
 from ssmkit._src.pretrained.config import Fields
 
 ARCHITECTURE = "FalconMambaForCausalLM"
+MODEL_TYPE = "falcon_mamba"  # what `transformers` reads to pick the architecture
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (Mamba,)
 REQUIRED = mamba.REQUIRED

@@ -15,9 +15,11 @@ from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
-# Each architecture ssmkit loads, by its `architectures` name in config.json.
+# Each architecture ssmkit loads, by its `architectures` name in config.json, and by the
+# `model_type` that `transformers` reads to choose it.
 ARCHITECTURES = {module.ARCHITECTURE: module
                  for module in (mamba, falcon_mamba, mamba2, recurrent_gemma)}
+MODEL_TYPES = {module.MODEL_TYPE: module for module in ARCHITECTURES.values()}
 
 
 def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
@@ -81,12 +83,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   directory = checkpoint_directory(path_or_repo_id)
   values = read_config(directory)
   fields = Fields(values, directory / CONFIG)
-  names = fields.get("architectures", [])
-  known = [name for name in names if name in ARCHITECTURES] if isinstance(names, list) else []
-  if len(known) != 1:
-    raise CheckpointError(f"{directory / CONFIG}: `architectures` {names!r} names none that ssmkit "
-                          f"loads ({', '.join(sorted(ARCHITECTURES))}).")
-  architecture = ARCHITECTURES[known[0]]
+  architecture = _architecture(fields)
   model = SequenceModel(**architecture.options(fields), dtype=dtype)
   try:
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
@@ -105,6 +102,31 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     twin = from_linen(model, variables)
     return twin, flax_nnx.state(twin), values
   return model, variables, values
+
+
+def _architecture(fields: Fields) -> Any:
+  """The architecture module of a config.json: by its `model_type`, as `transformers`' Auto
+  classes choose it, with `architectures`, where given, naming the same model.
+
+  Raises:
+    CheckpointError: naming `model_type` when it is missing or not one ssmkit loads, and both
+      fields when they contradict each other.
+  """
+  types = ", ".join(sorted(MODEL_TYPES))
+  if "model_type" not in fields.values:
+    raise CheckpointError(f"{fields.source}: the field `model_type` is missing; transformers "
+                          f"reads it to choose the architecture (ssmkit loads {types}).")
+  model_type = fields.values["model_type"]
+  if model_type not in MODEL_TYPES:
+    raise CheckpointError(f"{fields.source}: `model_type` {model_type!r} is not one ssmkit loads "
+                          f"({types}).")
+  module = MODEL_TYPES[model_type]
+  names = fields.get("architectures", [module.ARCHITECTURE])
+  own = {module.ARCHITECTURE, module.ARCHITECTURE.replace("ForCausalLM", "Model")}
+  if not isinstance(names, list) or not names or not set(names) <= own:
+    raise CheckpointError(f"{fields.source}: `architectures` {names!r} contradicts `model_type` "
+                          f"{model_type!r}, whose causal language model is a {module.ARCHITECTURE}.")
+  return module
 
 
 def _check_tree(expected: dict[str, Any], params: dict[str, Any], directory: pathlib.Path) -> None:

@@ -19,6 +19,7 @@ from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
 ARCHITECTURE = "MambaForCausalLM"
+MODEL_TYPE = "mamba"  # what `transformers` reads to pick the architecture
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (Mamba,)
 REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "pooling": "none",

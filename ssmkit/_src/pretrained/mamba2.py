@@ -21,6 +21,7 @@ from ssmkit._src.pretrained.files import CheckpointError, Tensors
 from ssmkit._src.pretrained.mamba import embedding_and_head
 
 ARCHITECTURE = "Mamba2ForCausalLM"
+MODEL_TYPE = "mamba2"  # what `transformers` reads to pick the architecture
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (Mamba2,)
 REQUIRED = mamba.REQUIRED

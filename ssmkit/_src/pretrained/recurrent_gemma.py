@@ -24,6 +24,7 @@ from ssmkit._src.pretrained.files import CheckpointError, Tensors
 from ssmkit._src.pretrained.mamba import head
 
 ARCHITECTURE = "RecurrentGemmaForCausalLM"
+MODEL_TYPE = "recurrent_gemma"  # what `transformers` reads to pick the architecture
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (RGLRU, Attention)
 REQUIRED = {"block": "mixer", "norm": "rms_plus_one", "mlp": "geglu", "mlp_bias": True,
