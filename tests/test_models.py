@@ -11,6 +11,7 @@ import pytest
 
 import compiled
 import registered
+import ssmkit.nnx as snx
 from ssmkit import layers
 from ssmkit._src.layers.block import NORMS
 from ssmkit._src.layers.model import _filter_logits
@@ -294,6 +295,32 @@ def test_top_k_one_and_temperature_zero_are_greedy_without_a_key():
   for token in (7, -1):  # above the vocabulary, and negative: neither may wrap round
     with pytest.raises(ValueError, match=r"`prompt` tokens must lie in \[0, 7\)"):
       layers.generate(model, variables, prompt.at[1, 2].set(token), 6, temperature=0.0)
+
+
+def test_tokens_outside_the_vocabulary_are_refused_or_nan_never_another_token():
+  """Known ids outside [0, 7) are refused by name in `__call__` and `step` (linen and NNX);
+  traced ones embed as NaN: that step's logits and the later ones are NaN, the earlier ones
+  the same as for an id in range."""
+  model, variables, prompt = _token_model()
+  twin = snx.from_linen(model, variables)
+  apply, step = compiled.run(model), compiled.run(model, method="step")
+  for token in (7, -1):
+    bad = np.asarray(prompt).copy()
+    bad[1, 2] = token
+    with pytest.raises(ValueError, match=r"`x` tokens must lie in \[0, 7\) \(`vocab_size`\)"):
+      model.apply(variables, bad)
+    with pytest.raises(ValueError, match=r"`x` tokens must lie in \[0, 7\)"):
+      twin(bad)
+    with pytest.raises(ValueError, match=r"`x_t` tokens must lie in \[0, 7\)"):
+      model.apply(variables, model.initialize_state((3,)), bad[:, 2], method="step")
+    with pytest.raises(ValueError, match=r"`x_t` tokens must lie in \[0, 7\)"):
+      twin.step(twin.initialize_state((3,)), bad[:, 2])
+    logits, clean = np.asarray(apply(variables, bad)), np.asarray(apply(variables, prompt))
+    assert np.isnan(logits[1, 2:]).all() and np.isfinite(logits[[0, 2]]).all()
+    np.testing.assert_array_equal(logits[1, :2], clean[1, :2])
+    _, logits_t = step(variables, model.initialize_state((3,)), bad[:, 2])
+    logits_t = np.asarray(logits_t)
+    assert np.isnan(logits_t[1]).all() and np.isfinite(logits_t[[0, 2]]).all()
 
 
 def test_sampled_tokens_stay_in_the_top_k_of_the_model():

@@ -310,6 +310,8 @@ class SequenceModel(nn.Module):
       encoder = nn.Dense(self.features, name="encoder", **precision)
     else:
       encoder = nn.Embed(self.vocab_size, self.features, name="encoder", **precision)
+    if self.vocab_size is not None:
+      x = tokens_in_vocabulary(x, self.vocab_size, "x_t" if single_step else "x")
     x = encoder(x)
     x = scale_embeddings(self, x)
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
@@ -332,7 +334,9 @@ class SequenceModel(nn.Module):
     """Runs the model over whole sequences.
 
     Args:
-      x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
+      x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set:
+        ids outside [0, vocab_size) are refused where known (outside `jit`), and under `jit`
+        embed as NaN (`tokens_in_vocabulary`), never as another token.
       mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1
         broadcast). Padding may come after the real steps or before them: pooling reads
         only real steps, and the layers see zeros at padded steps, which leave the state
@@ -383,7 +387,8 @@ class SequenceModel(nn.Module):
 
     Args:
       state: from `initialize_state` or a previous `step`.
-      x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set.
+      x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set (ids outside
+        the vocabulary as for `__call__`).
       reset: optional `(*batch,)` booleans; True clears the state before this step.
 
     Returns:
@@ -553,6 +558,25 @@ def _is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def tokens_in_vocabulary(x: Array, vocab_size: int, name: str) -> Array:
+  """Token ids `x` for an embedding of `vocab_size` rows.
+
+  Ids known at trace time must lie in [0, `vocab_size`), else a ValueError names `name` and the
+  vocabulary. Traced ids outside it (under `jit`) become `vocab_size`, which the embedding reads
+  as a row of NaN: that step's logits, and the later steps its state reaches (up to a reset),
+  are NaN, never those of another token (as a negative id wrapped around would give).
+  """
+  if _is_concrete(x):
+    if x.size:
+      tokens = np.asarray(x)  # in NumPy: inside a jit, jnp.min would be staged
+      low, high = int(tokens.min()), int(tokens.max())
+      if low < 0 or high >= vocab_size:
+        raise ValueError(f"`{name}` tokens must lie in [0, {vocab_size}) (`vocab_size`), got "
+                         f"tokens in [{low}, {high}].")
+    return x
+  return jnp.where((x >= 0) & (x < vocab_size), x, vocab_size)
+
+
 def generate(model: SequenceModel, variables: Any, prompt: Array, num_steps: int, *,
              rng: Array | None = None, temperature: float | Array = 1.0, top_k: int | None = None,
              top_p: float | Array | None = None, eos_token: int | Array | None = None) -> Array:
@@ -604,12 +628,7 @@ def generation_arguments(model: Any, prompt: Array, num_steps: int, *, rng: Arra
   if not jnp.issubdtype(prompt.dtype, jnp.integer) or prompt.ndim < 1 or prompt.shape[-1] < 1:
     raise ValueError(f"`prompt` must be integer tokens `(*batch, P)` with P >= 1, got {prompt.dtype} "
                      f"{prompt.shape}.")
-  if _is_concrete(prompt) and prompt.size:
-    tokens = np.asarray(prompt)  # in NumPy: inside a jit, jnp.min would be staged
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= model.vocab_size:
-      raise ValueError(f"`prompt` tokens must lie in [0, {model.vocab_size}) (`vocab_size`), got "
-                       f"tokens in [{low}, {high}].")
+  prompt = tokens_in_vocabulary(prompt, model.vocab_size, "prompt")
   if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
     raise ValueError(f"`num_steps` must be a non-negative int, got {num_steps!r}.")
   cache = _global_attention_cache(model)

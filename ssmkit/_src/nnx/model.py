@@ -25,6 +25,7 @@ from ssmkit._src.layers.model import (
   scale_embeddings,
   scanned_counts,
   start_value_residual,
+  tokens_in_vocabulary,
 )
 from ssmkit._src.modes import Mode
 from ssmkit._src.nnx.block import MixerBlock, SSMBlock, make_norm, normalize
@@ -198,6 +199,8 @@ class SequenceModel(nnx.Module):
                single_step: bool, return_state: bool, mode: str | Mode,
                axis_name: Hashable | None = None) -> tuple[Any, Array]:
     """The model on one step, or on a sequence (from `state` unless None), and the blocks' state."""
+    if self.vocab_size is not None:
+      x = tokens_in_vocabulary(x, self.vocab_size, "x_t" if single_step else "x")
     x = scale_embeddings(self, self.encoder(x))
     x, state = self._run_blocks(x, mask, reset, state, single_step=single_step,
                                 return_state=return_state, mode=mode, axis_name=axis_name)
@@ -214,7 +217,9 @@ class SequenceModel(nnx.Module):
     """Runs the model over whole sequences, as the linen model does.
 
     Args:
-      x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set.
+      x: `(..., T, F)` real inputs, or `(..., T)` integer tokens when `vocab_size` is set:
+        ids outside [0, vocab_size) are refused where known (outside `jit`), and under `jit`
+        embed as NaN (`tokens_in_vocabulary`), never as another token.
       mask: optional `(..., T)` booleans, True on real steps (batch axes of size 1
         broadcast); see `ssmkit.layers.SequenceModel` for padding.
       reset: optional `(..., T)` booleans; True clears every block's state before that step.
@@ -252,7 +257,8 @@ class SequenceModel(nnx.Module):
 
     Args:
       state: from `initialize_state` or a previous `step`.
-      x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set.
+      x_t: `(*batch, F)` input, or `(*batch,)` tokens when `vocab_size` is set (ids outside
+        the vocabulary as for `__call__`).
       reset: optional `(*batch,)` booleans; True clears the state before this step.
 
     Returns:
