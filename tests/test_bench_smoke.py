@@ -71,7 +71,7 @@ def test_bench_layers_small_prints_its_layers_and_both_block_layouts(capsys):
   out = capsys.readouterr().out
   assert status == 0
   assert "LRU " in out
-  for name in (" sequential ", " parallel ", "unrolled", "nn.scan"):
+  for name in (" sequential ", " parallel ", "unrolled", "nn.scan", " init s "):
     assert name in out
 
 

@@ -248,7 +248,9 @@ class LinenLayer(nn.Module):
 
   def step(self, state: Any, x_t: Array, reset: Array | None = None,
            value_residual: ValueResidual | None = None) -> tuple[Any, ...]:
-    """Advances one step.
+    """Advances one step; call it compiled, as a loop over steps does:
+    `step = jax.jit(functools.partial(layer.apply, method="step"))`, then
+    `state, y_t = step(params, state, x_t)` (eagerly every operation dispatches on its own).
 
     Args:
       state: the state of the previous step.

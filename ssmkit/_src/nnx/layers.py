@@ -131,7 +131,8 @@ class Layer(nnx.Module):
 
   def step(self, state: Any, x_t: Array, reset: Array | None = None,
            value_residual: functional.ValueResidual | None = None) -> tuple[Any, ...]:
-    """Advances one step from `state` on `(*batch, H)` inputs; `(state, y_t)`.
+    """Advances one step from `state` on `(*batch, H)` inputs; `(state, y_t)`. Call it
+    compiled: `nnx.jit(lambda layer, state, x_t: layer.step(state, x_t))`.
 
     `reset`: optional `(*batch,)` booleans; True clears the state before this step. With a
     `value_residual` (as the linen layer's `step` takes it), `(state, y_t, value_residual)`.

@@ -253,7 +253,9 @@ class SequenceModel(nnx.Module):
       states = tuple(block.initialize_state(shape) for block in self.blocks)
     return pattern_state(self, states)
   def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
-    """Advances one step at inference; needs pooling "none".
+    """Advances one step at inference; needs pooling "none". Call it compiled:
+    `step = nnx.jit(lambda model, state, token: model.step(state, token))`, then
+    `state, logits = step(model, state, token)` (`generate` runs the whole loop compiled).
 
     Args:
       state: from `initialize_state` or a previous `step`.
