@@ -97,10 +97,10 @@ def test_run_on_every_device_resumed_on_two_equals_one_device(one_device, tmp_pa
   platform = jax.devices()[0].platform
   with pytest.raises(train.Interrupted):
     _run(tmp_path, hooks=[send_sigint])
-  assert f"on 8 {platform} device(s)" in capsys.readouterr().out
+  assert f"on 8 {platform} device(s) (data 8)" in capsys.readouterr().out
   shutil.rmtree(tmp_path / "checkpoints" / "4")  # resume from step 3, saved by 8 devices
   _run(tmp_path, "mesh.data=2")
-  assert f"on 2 {platform} device(s), resuming from step 3" in capsys.readouterr().out
+  assert f"on 2 {platform} device(s) (data 2), resuming from step 3" in capsys.readouterr().out
   _assert_same_run(tmp_path, one_device)
 
 
@@ -170,7 +170,7 @@ def test_two_processes_train_like_one_device(one_device, tmp_path):
   ]
   outputs = [process.communicate(timeout=300)[0] for process in processes]
   assert [process.returncode for process in processes] == [0, 0], outputs
-  assert "on 4 cpu device(s)" in outputs[0]
+  assert "on 4 cpu device(s) (data 4)" in outputs[0]
   assert "on 4 cpu device(s)" not in outputs[1]  # only process 0 prints
   _assert_same_run(tmp_path, one_device)
 

@@ -4,6 +4,7 @@ against themselves run another way (step by step, unpadded, unrolled)."""
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ import compiled
 import registered
 import ssmkit.nnx as snx
 from ssmkit import layers
+from ssmkit._src.layers import model as model_module
 from ssmkit._src.layers.block import NORMS
 from ssmkit._src.layers.model import _filter_logits
 
@@ -321,6 +323,33 @@ def test_tokens_outside_the_vocabulary_are_refused_or_nan_never_another_token():
     _, logits_t = step(variables, model.initialize_state((3,)), bad[:, 2])
     logits_t = np.asarray(logits_t)
     assert np.isnan(logits_t[1]).all() and np.isfinite(logits_t[[0, 2]]).all()
+
+
+def test_init_is_one_compiled_program_per_model_and_shapes():
+  """`model.init` compiles the model's initialisation once (eagerly, each operation compiled on
+  its own took twice as long for a Griffin) and gives `jax.jit(flax's init)`'s values."""
+  model = _model(vocab_size=7, num_outputs=7, pooling="none", num_blocks=1)
+  x = np.zeros((2, 5), np.int32)
+  before = model_module._compiled_init._cache_size()
+  first = model.init(jax.random.key(4), x)
+  again = model.init(jax.random.key(4), x, train=False)  # a keyword option: one more program
+  model.init(jax.random.key(5), x)  # another key: the same program
+  assert model_module._compiled_init._cache_size() == before + 2
+  expected = jax.jit(lambda key, x: nn.Module.init(model, key, x))(jax.random.key(4), x)
+  jax.tree.map(np.testing.assert_array_equal, first, expected)
+  jax.tree.map(np.testing.assert_array_equal, again, expected)
+
+
+def test_a_step_of_the_wrong_shape_names_x_t_and_the_shape_a_step_takes():
+  model, variables, prompt = _token_model()
+  twin = snx.from_linen(model, variables)
+  for step, state in ((functools.partial(model.apply, variables, method="step"),
+                       model.initialize_state((3,))), (twin.step, twin.initialize_state((3,)))):
+    with pytest.raises(ValueError, match=r"`x_t` of shape \(3, 1\) does not fit `state`: a step "
+                       r"takes \(\*batch,\) tokens"):
+      step(state, prompt[:, :1])
+    with pytest.raises(ValueError, match=r"`state` is not a state of this model"):
+      step(state[:1], prompt[:, 0])
 
 
 def test_sampled_tokens_stay_in_the_top_k_of_the_model():

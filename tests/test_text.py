@@ -1,6 +1,7 @@
 """Text corpora: reading documents, the split by document, byte tokens, packing; and every
 registered layer's model on packed rows against each document alone."""
 
+import hashlib
 import pathlib
 import sysconfig
 
@@ -48,8 +49,11 @@ def test_paths_without_text_are_named(tmp_path):
   with pytest.raises(ValueError, match=r"`path` .*nothing_here.* neither a file, a folder nor a glob"):
     data.read_documents(tmp_path / "nothing_here")
   _write(tmp_path / "empty", {"a.txt": "", "b/c.txt": ""})
-  with pytest.raises(ValueError, match=r"`path` .* holds no text: its 2 file"):
+  with pytest.raises(ValueError, match=r"`path` .* holds no text: every one of its 2 files is empty"):
     data.read_documents(tmp_path / "empty")
+  (tmp_path / "nothing").mkdir()
+  with pytest.raises(ValueError, match=r"`path` .* holds no text: it is an empty folder"):
+    data.read_documents(tmp_path / "nothing")
   _write(tmp_path / "mixed", {"a.txt": "fine", "b.bin": b"\xff\xfe\x00binary"})
   with pytest.raises(ValueError, match=r"`path`: .*b\.bin' is not UTF-8 text"):
     data.read_documents(tmp_path / "mixed")
@@ -78,9 +82,24 @@ def test_a_split_fraction_outside_zero_to_one_is_named(fraction):
     data.split_documents(data.read_documents(), fraction)
 
 
-def test_a_split_that_leaves_one_side_empty_is_named():
-  with pytest.raises(ValueError, match=r"`validation_fraction`=0\.05 leaves the .* split of 1 document"):
+def test_a_small_corpus_keeps_a_document_on_each_side_and_one_document_is_named():
+  """Three documents and a fraction of 5%: no name hashes below it, so the lowest-hashing one is
+  held out, the others train; a tiny fraction leaves training the highest-hashing one."""
+  documents = [data.Document(f"doc{i}.txt", "text") for i in range(3)]
+  train, validation = data.split_documents(documents, 0.05)
+  hashes = sorted(documents, key=lambda d: hashlib.sha256(d.name.encode()).digest())
+  assert [d.name for d in validation] == [hashes[0].name] and len(train) == 2
+  train, validation = data.split_documents(documents, 0.999999)
+  assert [d.name for d in train] == [hashes[-1].name] and len(validation) == 2
+  with pytest.raises(ValueError, match=r"`path` holds 1 document, which cannot be split"):
     data.split_documents([data.Document("only.txt", "text")], 0.05)
+
+
+def test_a_split_shorter_than_one_row_is_named_with_the_keys_to_change(tmp_path):
+  _write(tmp_path / "small", {f"doc{i}.txt": "x" * (100 + i) for i in range(3)})
+  with pytest.raises(ValueError, match=r"the validation split holds \d+ tokens in 1 document\(s\), "
+                     r"fewer than one row of `seq_len`=128 .* lower `seq_len`"):
+    data.text(path=str(tmp_path / "small"), seq_len=128)
 
 
 def test_bytes_round_trip_and_the_end_token_stays_apart():

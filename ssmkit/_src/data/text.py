@@ -102,8 +102,15 @@ def read_documents(path: str | pathlib.Path | None = None) -> list[Document]:
       name = file.relative_to(root).as_posix() if file.is_relative_to(root) else file.as_posix()
       documents.append(Document(name, text))
   if not documents:
-    raise ValueError(f"`path` {str(path)!r} holds no text: its {len(files)} file(s) are empty.")
+    raise ValueError(f"`path` {str(path)!r} holds no text: "
+                     + (f"every one of its {len(files)} files is empty." if files
+                        else "it is an empty folder."))
   return documents
+
+
+def _name_hash(name: str) -> float:
+  """The SHA-256 of `name` as a number in [0, 1)."""
+  return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2**64
 
 
 def in_validation(name: str, fraction: float) -> bool:
@@ -112,25 +119,33 @@ def in_validation(name: str, fraction: float) -> bool:
   Decided by a hash of the name alone (its SHA-256 as a number in [0, 1)), so a document keeps
   its split whatever the other documents, their order, the batch size or the device count.
   """
-  digest = hashlib.sha256(name.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+  return _name_hash(name) < fraction
 
 
 def split_documents(documents: list[Document], validation_fraction: float = 0.05
                     ) -> tuple[list[Document], list[Document]]:
   """`(train, validation)`: each document in one of them, by `in_validation` of its name.
 
+  A corpus too small for the fraction to hold out any document (or to leave any to train on)
+  still gets both splits: the document whose name hashes lowest is held out (or the one that
+  hashes highest trained on), so a few documents train with the default fraction.
+
   Raises:
-    ValueError: naming `validation_fraction` outside (0, 1), or when a split would be empty.
+    ValueError: naming `validation_fraction` outside (0, 1), or `path` when it holds a single
+      document, which cannot be split.
   """
   check_fraction(validation_fraction, "validation_fraction")
+  if len(documents) < 2:
+    raise ValueError(f"`path` holds {len(documents)} document, which cannot be split into train "
+                     "and validation documents: give it two or more files.")
   train, validation = [], []
   for document in documents:
     (validation if in_validation(document.name, validation_fraction) else train).append(document)
-  if not train or not validation:
-    raise ValueError(f"`validation_fraction`={validation_fraction} leaves the "
-                     f"{'train' if not train else 'validation'} split of {len(documents)} "
-                     "document(s) empty: give more documents or another fraction.")
+  order = lambda d: _name_hash(d.name)
+  if not validation:
+    validation.append(train.pop(train.index(min(train, key=order))))
+  if not train:
+    train.append(validation.pop(validation.index(max(validation, key=order))))
   return train, validation
 
 
@@ -247,14 +262,27 @@ def text(*, path: str | None = None, seq_len: int = 256, validation_fraction: fl
     ValueError: naming `path`, `seq_len`, `validation_fraction`, `tokenizer` or `eod_token`.
   """
   coder = load_tokenizer(tokenizer, eod_token)
-  train, test = (_pack([coder.encode_counted(d.text) for d in split], seq_len, coder.eod)
-                 for split in split_documents(read_documents(path), validation_fraction))
+  train, test = (_pack([coder.encode_counted(d.text) for d in split], seq_len, coder.eod, name)
+                 for split, name in zip(split_documents(read_documents(path), validation_fraction),
+                                        ("train", "validation"), strict=True))
   return TextDataset(x_train=train.inputs, y_train=train.targets, x_test=test.inputs,
                      y_test=test.targets, num_classes=coder.vocab_size, vocab_size=coder.vocab_size,
                      reset_train=train.reset, reset_test=test.reset, tokenizer=coder,
                      target_bytes_test=test.target_bytes)
 
 
-def _pack(encoded: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int) -> PackedTokens:
-  """`pack_documents` of `(tokens, text_bytes)` pairs."""
+def _pack(encoded: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
+          split: str) -> PackedTokens:
+  """`pack_documents` of the `(tokens, text_bytes)` pairs of the `split` split.
+
+  Raises:
+    ValueError: naming the split and the arguments to change when it holds no whole row.
+  """
+  check_int(seq_len, "seq_len", minimum=2)
+  tokens = sum(len(t) + 1 for t, _ in encoded)
+  if tokens - 1 < seq_len:
+    raise ValueError(f"the {split} split holds {tokens} tokens in {len(encoded)} document(s), "
+                     f"fewer than one row of `seq_len`={seq_len} and its next token: lower "
+                     "`seq_len`, give `path` more text, or move the split with "
+                     "`validation_fraction`.")
   return pack_documents([t for t, _ in encoded], seq_len, eod, [b for _, b in encoded])

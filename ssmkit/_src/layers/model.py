@@ -421,6 +421,7 @@ class SequenceModel(nn.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, num_outputs)`.
     """
     x_t, reset = check_step_inputs(self, x_t, reset)
+    check_step_state(self, state, x_t)
     return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto",
                          train=False)
 
@@ -486,6 +487,27 @@ def check_step_inputs(model: Any, x_t: Array, reset: Array | None) -> tuple[Arra
   elif reset is not None:
     common.check_step(jnp.zeros((*x_t.shape, 1)), reset)
   return x_t, reset
+
+
+def check_step_state(model: Any, state: Any, x_t: Array) -> None:
+  """Checks that `state` is a state of `model` for one step of inputs shaped as `x_t`.
+
+  Raises:
+    ValueError: naming `x_t` and the shape a step takes when its batch shape is not the
+      state's (a `(B, 1)` token for a state of `(B,)`), else naming `state`.
+  """
+  expected = jax.eval_shape(lambda: model.initialize_state(x_t.shape))
+  shapes = lambda tree: [np.shape(leaf) for leaf in jax.tree.leaves(tree)]
+  if jax.tree.structure(state) != jax.tree.structure(expected):
+    raise ValueError("`state` is not a state of this model: make it with `initialize_state` or a "
+                     "previous `step`.")
+  if shapes(state) == shapes(expected):
+    return
+  one = "(*batch,) tokens" if model.vocab_size is not None else "(*batch, F) inputs"
+  raise ValueError(f"`x_t` of shape {x_t.shape} does not fit `state`: a step takes {one} with "
+                   "the batch that `initialize_state` was given (of a sequence `x`, `x[..., t]`"
+                   f"{'' if model.vocab_size is not None else ', :'}), and `state` was made for "
+                   "another batch.")
 
 
 def pool(x: Array, mask: Array | None, pooling: str, axis_name: Hashable | None = None) -> Array:

@@ -17,6 +17,7 @@ from ssmkit._src.layers.model import (
   check_inputs,
   check_model,
   check_step_inputs,
+  check_step_state,
   generation_arguments,
   layer_pattern,
   pattern_state,
@@ -267,6 +268,7 @@ class SequenceModel(nnx.Module):
       `(state, y_t)` with `y_t` of shape `(*batch, num_outputs)`.
     """
     x_t, reset = check_step_inputs(self, x_t, reset)
+    check_step_state(self, state, x_t)
     return self._forward(x_t, None, reset, state, single_step=True, return_state=True, mode="auto")
 
 

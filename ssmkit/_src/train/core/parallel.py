@@ -133,6 +133,13 @@ def make_mesh(config: MeshConfig, batch_size: int, batch_key: str) -> Mesh:
               (DATA_AXIS, FSDP_AXIS, SEQ_AXIS))
 
 
+def describe(mesh: Mesh) -> str:
+  """`mesh` for a run's header: "8 cpu device(s) (data 2 x fsdp 2 x seq 2)", the axes of one
+  device left out."""
+  split = " x ".join(f"{name} {size}" for name, size in mesh.shape.items() if size > 1)
+  return f"{mesh.size} {mesh.devices.flat[0].platform} device(s)" + (f" ({split})" if split else "")
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   """A whole copy on every device (the data order, keys, metrics)."""
   return NamedSharding(mesh, PartitionSpec())

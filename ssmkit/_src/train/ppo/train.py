@@ -167,8 +167,7 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
     header = (
         f"{kind} {'/'.join(layer_names(config.model))} policy with {num_params:,} parameters on "
         f"{config.env.name}, {rhythm.total} updates of "
-        f"{config.env.num_envs} x {config.ppo.rollout_steps} steps on {run.mesh.size} "
-        f"{run.mesh.devices.flat[0].platform} device(s)"
+        f"{config.env.num_envs} x {config.ppo.rollout_steps} steps on {parallel.describe(run.mesh)}"
     )
     evaluation, train_return = None, None
     shown = ("mean_episode_return", *_LOSS_METRICS[:3])

@@ -260,7 +260,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
         f"{'/'.join(run.layer_kinds)} model with {num_params:,} parameters, "
         f"{run.total_steps} steps of "
         f"{batch_size} sequences ({run.total_steps / run.order.steps_per_epoch:.1f} epochs) on "
-        f"{run.mesh.size} {run.mesh.devices.flat[0].platform} device(s)"
+        f"{parallel.describe(run.mesh)}"
     )
     evaluation = None
     shown = ("loss", "accuracy")
