@@ -1,6 +1,7 @@
 """`linear_recurrence`: every mode against a float64 loop, gradients, resets, dtypes, errors."""
 
 import itertools
+import re
 
 import chex
 import jax
@@ -13,6 +14,7 @@ from jax import lax
 from jax.test_util import check_grads
 
 import references
+from ssmkit._src import modes
 from ssmkit.scan import linear_recurrence, linear_recurrence_final_state
 
 MODES = [
@@ -121,6 +123,32 @@ def test_a_reset_cuts_every_input_before_it_exactly(kwargs, dtype, reverse):
     np.testing.assert_array_equal(h[after(row), row], h2[after(row), row])
     assert not np.allclose(h[before(row), row], h2[before(row), row])
   np.testing.assert_array_equal(last, last2)
+
+
+def _optimised_program(f, *args):
+  """The compiled HLO of `f`, without names, source locations and metadata."""
+  text = jax.jit(f).lower(*args).compile().as_text()
+  # The module's computations, after its header and the tables of source locations.
+  computations = text[text.index("\n\n", text.index("\nStackFrames")):]
+  return re.sub(r", metadata=\{[^}]*\}", "", computations)
+
+
+def test_auto_on_cpu_compiles_to_a_hand_written_lax_scan(monkeypatch):
+  """Without resets or a starting state, `auto` on CPU is one `lax.scan` and nothing else: no
+  copy, selection or layout change around it (the compiled programs are the same)."""
+  monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
+  a, b = _inputs(np.random.default_rng(3), (64, 8), np.float32)
+
+  def by_hand(a, b):
+    def body(h, ab):
+      h = ab[0] * h + ab[1]
+      return h, h
+
+    return lax.scan(body, jnp.zeros(b.shape[1:], b.dtype), (a, b))[1]
+
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert (_optimised_program(lambda a, b: linear_recurrence(a, b), a, b)
+            == _optimised_program(by_hand, a, b))
 
 
 @settings(max_examples=12, deadline=None)
