@@ -20,11 +20,12 @@ def _step(precision):
   a leading axis of n), then the read."""
 
   def step(s, x):
-    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (n, Z, H, K|V) writes, (Z, H[, K]), (Z,)
+    q_t, k_t, v_t, beta_t, g_t, reset_t = x  # (Z, n, H, K|V) writes, (Z, H[, K]), (Z,)
     if reset_t is not None:
       s = jnp.where(reset_t[:, None, None, None], 0, s)
     s = steps.decayed(s, g_t)
-    for k_j, v_j, beta_j in zip(k_t, v_t, beta_t, strict=True):
+    writes = (jnp.moveaxis(a, 1, 0) for a in (k_t, v_t, beta_t))
+    for k_j, v_j, beta_j in zip(*writes, strict=True):
       predicted = jnp.einsum("zhk,zhkv->zhv", k_j, s, precision=precision)
       s = s + k_j[..., :, None] * (beta_j[..., None] * (v_j - predicted))[..., None, :]
     return s, jnp.einsum("zhk,zhkv->zhv", q_t, s, precision=precision)
@@ -35,13 +36,12 @@ def _step(precision):
 def _sequential(x: Inputs, size: int | None, precision, per_token: int = 1) -> tuple[Array, Array]:
   """The step loop, one iteration per token of `per_token` steps (`evaluate`'s `read_every`):
   the decay and reset of its first step, the query of its last, the token's output."""
-  tokens = lambda a: a.reshape((a.shape[0] // per_token, per_token, *a.shape[1:]))
-  q, k, v, beta, g, reset = (None if a is None else tokens(jnp.moveaxis(a, 1, 0))
+  tokens = lambda a: a.reshape((a.shape[0], a.shape[1] // per_token, per_token, *a.shape[2:]))
+  q, k, v, beta, g, reset = (None if a is None else tokens(a)
                              for a in (x.q, x.k, x.v, x.beta, x.log_decay, x.reset))
-  first = lambda a: None if a is None else a[:, 0]
-  out, final = steps.run(_step(precision), (q[:, -1], k, v, beta, first(g), first(reset)),
-                         x.state, None if size is None else max(size // per_token, 1))
-  return jnp.moveaxis(out, 0, 1), final
+  first = lambda a: None if a is None else a[:, :, 0]
+  return steps.run(_step(precision), (q[:, :, -1], k, v, beta, first(g), first(reset)),
+                   x.state, None if size is None else max(size // per_token, 1))
 
 
 def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool = False):

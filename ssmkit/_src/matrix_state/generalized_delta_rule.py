@@ -29,10 +29,8 @@ def _step(precision):
 
 
 def _sequential(x: Inputs, size: int | None, precision) -> tuple[Array, Array]:
-  xs = tuple(None if a is None else jnp.moveaxis(a, 1, 0)
-             for a in (x.q, x.k, x.v, x.a, x.b, x.log_decay, x.reset))
-  out, final = steps.run(_step(precision), xs, x.state, size)
-  return jnp.moveaxis(out, 0, 1), final
+  return steps.run(_step(precision), (x.q, x.k, x.v, x.a, x.b, x.log_decay, x.reset), x.state,
+                   size)
 
 
 def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
