@@ -122,6 +122,17 @@ _SHORT_MATRIX_STATE = 64
 DELTA_VALUES_CHUNKED_FROM = 1 << 15
 
 
+# From this many (batch row, head) sequences on, linear attention's values come from the chunked
+# loop on CPU, below it from the step loop: with the step loop reading its inputs in place
+# (`matrix_state.steps.run`), the chunks took 1.26-1.53x its time for SSD at B=2 H=4 from 256 to
+# 4096 steps, 1.13x at B=4 H=4, 1.10-1.21x at B=8 H=4, and 0.95x at B=16 H=4 T=1024 (GLA the same
+# within 0.2x; medians side by side, CPU). The loop is the fastest way to Mamba-2's SSD forward
+# where the batch is small: one plain `lax.scan` over the state, as ejkernel's XLA
+# `state_space_v2` is, took 8.35 ms at B=2 T=2048 H=4 K=V=64, the chunks 10.4 ms
+# (scripts/bench_ejkernel.py), the loop 7.4 ms.
+LINEAR_VALUES_CHUNKED_ROWS = 32
+
+
 class MatrixPlan(NamedTuple):
   """How `linear_attention` and `delta_rule` evaluate a sequence.
 
@@ -149,7 +160,8 @@ class MatrixPlan(NamedTuple):
 
 def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
                         chunked_values_from: float = math.inf, rows: int = 1,
-                        matrix: bool = False) -> MatrixPlan:
+                        matrix: bool = False,
+                        chunked_values_rows: float = math.inf) -> MatrixPlan:
   """The plan for `mode` over `length` steps of `rows` (batch rows times heads) sequences;
   `Mode.AUTO` is chosen per backend, and on accelerators by whether the chunks' maps are
   `(K, K)` matrices (`matrix`: the delta rules) or row decays.
@@ -157,10 +169,9 @@ def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
   A single step always runs sequentially (decoding). On CPU, the step-by-step loop streams
   the state through the cache, while its gradient keeps T states; `auto` there differentiates
   the chunked form (one state per chunk) and computes values step by step, or chunked too
-  from `rows * length >= chunked_values_from` on: linear attention's chunks need no solve,
-  and their values took 0.5x to 1.07x the step loop's time from 128 to 16384 steps (medians
-  side by side, CPU), so it passes 0; the delta rules' took up to 2x (KDA at 256 steps), so
-  they pass `DELTA_VALUES_CHUNKED_FROM`.
+  from `rows * length >= chunked_values_from` or `rows >= chunked_values_rows` on: linear
+  attention passes `LINEAR_VALUES_CHUNKED_ROWS` rows, the delta rules, whose chunks solve a
+  system each, `DELTA_VALUES_CHUNKED_FROM` triples.
   On accelerators, T steps would be T small kernels: `auto` runs every chunk at once with the
   chunk maps combined as a tree where they are row decays, and the chunked loop where they
   are matrices (the table above).
@@ -171,7 +182,7 @@ def resolve_matrix_mode(mode: Mode, length: int, backend: str | None = None,
   if length == 1 or (backend == "cpu" and length < _SHORT_MATRIX_STATE):
     return MatrixPlan(Mode.SEQUENTIAL, Mode.SEQUENTIAL)
   if backend == "cpu":
-    chunked = rows * length >= chunked_values_from
+    chunked = rows * length >= chunked_values_from or rows >= chunked_values_rows
     return MatrixPlan(Mode.CHUNKED if chunked else Mode.SEQUENTIAL, Mode.CHUNKED)
   accelerated = Mode.CHUNKED if matrix else Mode.PARALLEL
   return MatrixPlan(accelerated, accelerated)

@@ -263,6 +263,7 @@ def evaluate(
     default_chunk_size: int = DEFAULT_CHUNK_SIZE,
     per_key_scores: bool = False,
     chunked_values_from: float = math.inf,
+    chunked_values_rows: float = math.inf,
     read_every: int = 1,
 ):
   """Runs the recurrence in `mode`: the outputs in the public layout, and with
@@ -274,8 +275,9 @@ def evaluate(
   says so for the whole sequence (one `lax.cond`), as they are otherwise. The parallel form
   keeps the choice per call: as a `lax.cond`, its gradient held both branches' residuals of
   every chunk (KDA's: 540 MiB against 321 MiB).
-  `chunked_values_from`: "auto" computes values by the chunked loop on CPU too from this many
-  (batch row, head, step) triples on (`modes.resolve_matrix_mode`).
+  `chunked_values_from`, `chunked_values_rows`: "auto" computes values by the chunked loop on
+  CPU too from this many (batch row, head, step) triples, or (batch row, head) sequences, on
+  (`modes.resolve_matrix_mode`).
   `read_every` r: only the outputs of steps r - 1, 2r - 1, ... are returned, T / r of them
   (T a multiple of r); `sequential` takes `per_token=r`, and `chunk_maps` take `read_every`
   r where a chunk holds whole groups of r steps, else 1 (every step read, every r-th kept).
@@ -286,7 +288,8 @@ def evaluate(
   # One token of r steps decodes as one step does.
   plan = resolve_matrix_mode(mode, 1 if length == read_every else length,
                              chunked_values_from=chunked_values_from,
-                             rows=x.q.shape[0] * x.q.shape[2], matrix=matrix)
+                             rows=x.q.shape[0] * x.q.shape[2], matrix=matrix,
+                             chunked_values_rows=chunked_values_rows)
   size = min(chunk_size or default_chunk_size, length)
   every = read_every if size % read_every == 0 else 1  # the steps the chunk maps read
   if read_every > 1:

@@ -11,7 +11,7 @@ from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, steps
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
-from ssmkit._src.modes import Mode
+from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Mode
 
 Array = jax.Array
 
@@ -149,8 +149,10 @@ def linear_attention(
     reset: `(..., T)` booleans; True clears the state before that step.
     mode: "sequential" (one step at a time: the decoding path), "chunked" (the chunkwise
       algorithm, chunks carried one after another), "parallel" (the chunkwise algorithm
-      with the chunks combined as a tree, depth log(T / C)) or "auto": on CPU, the chunked
-      form from 64 steps on (step by step below); on accelerators, the parallel form.
+      with the chunks combined as a tree, depth log(T / C)) or "auto": on CPU, derivatives
+      by the chunked form from 64 steps on, values step by step below 32 (batch row, head)
+      sequences and chunked from 32 on (step by step below 64 steps); on accelerators, the
+      parallel form.
     chunk_size: steps per chunk (and per rematerialised group of the sequential mode);
       default 64, at most T.
     return_final_state: also return S_T, to continue over the next piece of a sequence.
@@ -202,4 +204,4 @@ def linear_attention(
                          mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                          precision=precision, return_final_state=return_final_state,
                          per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
-                         chunked_values_from=0)
+                         chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS)
