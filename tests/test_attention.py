@@ -12,8 +12,8 @@ from ssmkit import layers
 from ssmkit._src.layers import attention
 
 
-def _rms(x, scale):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+def _rms(x, scale, eps=1e-5):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
 def _rotate(x, position, width, base):
@@ -43,7 +43,9 @@ def _reference(layer, params, x, reset):
 
   q, k, v = project("q", heads), project("k", kv), project("v", kv)
   if layer.qk_norm:
-    q, k = _rms(q, p["q_norm"]), _rms(k, p["k_norm"])
+    offset = 1.0 if layer.qk_norm == "rms_plus_one" else 0.0
+    q = _rms(q, offset + p["q_norm"], layer.qk_norm_eps)
+    k = _rms(k, offset + p["k_norm"], layer.qk_norm_eps)
   starts = [max([s for s in range(t + 1) if reset[s]], default=0) for t in range(length)]
   for t in range(length):
     q[t] = _rotate(q[t], t - starts[t], width, layer.rope_base)
@@ -58,6 +60,8 @@ def _reference(layer, params, x, reset):
         logits = layer.logit_cap * np.tanh(logits / layer.logit_cap)
       weights = np.exp(logits - logits.max())
       out[t, n] = weights / weights.sum() @ v[first:t + 1, group]
+  if layer.output_gate:
+    out = out / (1 + np.exp(-project("gate", heads)))
   return out.reshape(length, heads * head_dim) @ p["o_proj"] + p.get("o_bias", 0.0)
 
 
@@ -68,6 +72,10 @@ CONFIGS = {
                                         use_bias=True),
     "mqa-no-rotary-window-one": dict(num_heads=3, num_kv_heads=1, head_dim=2, window=1,
                                      rope_fraction=0.0),
+    # Qwen3-Next's and Qwen3.5's: an output gate, (1 + w) query and key norms, a quarter rotary.
+    "gqa-gated-plus-one-qk-norm": dict(num_heads=4, num_kv_heads=2, head_dim=8, output_gate=True,
+                                       qk_norm="rms_plus_one", qk_norm_eps=1e-6,
+                                       rope_fraction=0.25, use_bias=True),
 }
 
 
@@ -151,6 +159,8 @@ def test_bad_options_are_named():
       (dict(num_heads=2, rope_fraction=1.5), "`rope_fraction`"),
       (dict(num_heads=2, logit_cap=0.0), "`logit_cap`"),
       (dict(num_heads=2, cache_size=0), "`cache_size` must be a positive int"),
+      (dict(num_heads=2, qk_norm="layer"), "`qk_norm` must be False, True, 'rms' or"),
+      (dict(num_heads=2, qk_norm=True, qk_norm_eps=0.0), "`qk_norm_eps` must be > 0"),
   ]:
     with pytest.raises(ValueError, match=match):
       layers.Attention(**options).init(jax.random.key(0), x)

@@ -16,7 +16,7 @@ import numpy as np
 from ssmkit._src.engine import axis_position, from_device
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
-from ssmkit._src.layers.norms import rms_norm
+from ssmkit._src.layers.norms import EPS, rms_norm, rms_norm_plus_one
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -78,19 +78,42 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     raise ValueError(f"`rope_base` must be > 0, got {cfg.rope_base}.")
   if cfg.logit_cap is not None and not cfg.logit_cap > 0:
     raise ValueError(f"`logit_cap` must be > 0 or None, got {cfg.logit_cap}.")
+  norm = _qk_norm(cfg)
+  if not cfg.qk_norm_eps > 0:
+    raise ValueError(f"`qk_norm_eps` must be > 0, got {cfg.qk_norm_eps!r}.")
   lecun = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
   specs = {}
-  for name, width in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
+  projections = [("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)]
+  if cfg.output_gate:
+    projections.append(("gate", heads * head_dim))
+  for name, width in projections:
     specs[f"{name}_proj"] = ParamSpec((features, width), lecun)
     if cfg.use_bias:
       specs[f"{name}_bias"] = ParamSpec((width,), nn.initializers.zeros)
   specs["o_proj"] = ParamSpec((heads * head_dim, features), lecun)
   if cfg.use_bias if cfg.out_bias is None else cfg.out_bias:
     specs["o_bias"] = ParamSpec((features,), nn.initializers.zeros)
-  if cfg.qk_norm:
-    specs["q_norm"] = ParamSpec((head_dim,), nn.initializers.ones)
-    specs["k_norm"] = ParamSpec((head_dim,), nn.initializers.ones)
+  if norm is not None:
+    start = nn.initializers.zeros if norm == "rms_plus_one" else nn.initializers.ones
+    specs["q_norm"] = ParamSpec((head_dim,), start)
+    specs["k_norm"] = ParamSpec((head_dim,), start)
   return specs
+
+
+_QK_NORMS = ("rms", "rms_plus_one")
+
+
+def _qk_norm(cfg: Any) -> str | None:
+  """The queries' and keys' norm: None, "rms" (scale w) or "rms_plus_one" (scale 1 + w).
+
+  Raises:
+    ValueError: naming `qk_norm` for another value.
+  """
+  norm = {False: None, None: None, True: "rms"}.get(cfg.qk_norm, cfg.qk_norm)
+  if norm is not None and norm not in _QK_NORMS:
+    raise ValueError(f"`qk_norm` must be False, True, 'rms' or 'rms_plus_one', got "
+                     f"{cfg.qk_norm!r}.")
+  return norm
 
 
 def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> AttentionState:
@@ -306,8 +329,9 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
     return y.reshape(rows, length, count, head_dim)
 
   q, k, v = project("q", heads), project("k", kv), project("v", kv)
-  if cfg.qk_norm:
-    q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
+  norm = {"rms": rms_norm, "rms_plus_one": rms_norm_plus_one}.get(_qk_norm(cfg))
+  if norm is not None:
+    q, k = norm(q, params["q_norm"], cfg.qk_norm_eps), norm(k, params["k_norm"], cfg.qk_norm_eps)
   flagged = _non_finite(k) | _non_finite(v)
   where = _locate(reset, flagged, axis_name)
   step = where.offset + jnp.arange(length, dtype=jnp.int32)
@@ -341,6 +365,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   q = _zeroed(q)
   out = _blockwise(cfg, q, where.offset, where.document, keys, before)
   out = jnp.where(poisoned[..., None, None], jnp.nan, out)
+  if cfg.output_gate:
+    out = out * jax.nn.sigmoid(project("gate", heads))
   y = common.project(out.reshape(rows, length, heads * head_dim), params["o_proj"], dtype)
   if "o_bias" in params:
     y = y + common.leading_ones(params["o_bias"], y.ndim)
@@ -419,7 +445,12 @@ class Attention(functional.LinenLayer):
     rope_fraction: the fraction of each head's channels that rotate (0: no positions).
     window: local attention over this many steps (the step itself included); None: global.
     cache_size: the decoding cache of global attention, in steps.
-    qk_norm: RMS-normalise queries and keys per head, with learned scales.
+    qk_norm: RMS-normalise queries and keys per head before the rotary positions: False, True
+      or "rms" (learned scales w), or "rms_plus_one" (scales 1 + w, w from 0: Qwen3-Next's).
+    qk_norm_eps: the epsilon of the query and key norms.
+    output_gate: multiply each head's output by sigmoid of a projection of the input
+      (`gate_proj`, as wide as the queries) before the output projection: the gated attention
+      of Qwen3-Next and Qwen3.5.
     logit_cap: soft cap of the logits; None: none.
     use_bias: biases on the four projections.
     out_bias: a bias on the output projection; None: as `use_bias` (RecurrentGemma has it
@@ -439,12 +470,14 @@ class Attention(functional.LinenLayer):
   rope_fraction: float = 1.0
   window: int | None = None
   cache_size: int = 2048
-  qk_norm: bool = False
+  qk_norm: bool | str = False
+  qk_norm_eps: float = EPS
+  output_gate: bool = False
   logit_cap: float | None = None
   use_bias: bool = False
   out_bias: bool | None = None
   param_dtype: jnp.dtype = jnp.float32
 
   parameter_groups = common.ParameterGroups(no_decay=frozenset(
-      {"q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"}))
+      {"q_bias", "k_bias", "v_bias", "gate_bias", "o_bias", "q_norm", "k_norm"}))
   maths = functional.Maths(param_specs, sequence, step, initialize_state)
