@@ -15,7 +15,7 @@ This script needs torch and transformers, which the test extra does not install;
 a separate environment, from the repository root:
 
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /tmp/hf/bin/python scripts/make_pretrained_fixtures.py
+    /tmp/hf/bin/python scripts/make_pretrained_fixtures.py [NAME ...]   # all, or these
 
 The suite reads the files it writes; it never imports torch.
 """
@@ -34,6 +34,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "pre
 VOCAB, BATCH, LENGTH, NEW_TOKENS = 96, 2, 13, 20
 # The noise added to every initial parameter: enough for greedy decoding not to settle on one token.
 NOISE = 0.5
+
+QWEN3_5_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2)
 
 CONFIGS = {
     "mamba": transformers.MambaConfig(
@@ -65,7 +72,18 @@ CONFIGS = {
         conv1d_width=4, logits_soft_cap=30.0, rms_norm_eps=1e-6,
         block_types=["recurrent", "recurrent", "attention"], tie_word_embeddings=True,
         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Gated DeltaNet (two key heads read by four value heads, V = 2K) three times, then gated
+    # attention with (1 + w) query and key norms and a quarter of each head rotating.
+    "qwen3_5_text": transformers.Qwen3_5TextConfig(**QWEN3_5_TEXT),
+    # The same language model inside Qwen3.5's image-text checkpoint (`model.language_model.*`
+    # beside a vision tower ssmkit leaves out).
+    "qwen3_5": transformers.Qwen3_5Config(
+        text_config=QWEN3_5_TEXT, tie_word_embeddings=False, vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+            patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)),
 }
+# The classes that `AutoModelForCausalLM` does not choose for a config: the image-text model.
+MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}
 
 
 def _noisy(model: torch.nn.Module, seed: int) -> None:
@@ -86,7 +104,8 @@ def _tokenizer() -> tokenizers.Tokenizer:
 
 def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> None:
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  model = (MODELS[name](config) if name in MODELS
+           else transformers.AutoModelForCausalLM.from_config(config)).eval()
   _noisy(model, seed)
   folder = ROOT / name
   folder.mkdir(parents=True, exist_ok=True)
@@ -108,5 +127,7 @@ def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> Non
 
 
 if __name__ == "__main__":
-  for name, config in CONFIGS.items():
-    make(name, config)
+  import sys
+
+  for name in sys.argv[1:] or CONFIGS:
+    make(name, CONFIGS[name])

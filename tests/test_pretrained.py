@@ -28,7 +28,13 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
 # bias and an untied head.
 ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "falcon_mamba": "FalconMambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
-                 "recurrent_gemma": "RecurrentGemmaForCausalLM"}
+                 "recurrent_gemma": "RecurrentGemmaForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+# What `save` writes each as: an image-text checkpoint's language model alone.
+SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM"}
+# The fixtures whose own tensors and config a fine-tuned model saves back to.
+SAVED_BACK = [name for name in ARCHITECTURES if SAVED_AS[name] == ARCHITECTURES[name]]
 
 
 def _expected(name):
@@ -52,7 +58,7 @@ def test_a_checkpoint_computes_the_logits_and_greedy_text_of_transformers(name):
   twin, state, _ = ssmkit.pretrained.load(FIXTURES / name, nnx=True)
   assert isinstance(twin, snx.SequenceModel) and jax.tree.leaves(state)
   assert _relative_error(nnx.jit(lambda m, x: m(x))(twin, ids), expected["logits"]) < 1e-4
-  if name == "recurrent_gemma":  # NNX decoding, through the richest state: RG-LRU and a KV cache
+  if name in ("recurrent_gemma", "qwen3_5_text"):  # NNX decoding through recurrent and KV caches
     np.testing.assert_array_equal(snx.generate(twin, ids, steps, temperature=0.0),
                                   expected["generated"])
 
@@ -115,13 +121,13 @@ def _edit_weights(folder, edit):
     [
         # `model_type` chooses the architecture, as in transformers; `architectures` must agree.
         (lambda f: _edit_config(f, architectures=["GPT2LMHeadModel"]),
-         r"`architectures` \['GPT2LMHeadModel'\] contradicts `model_type` 'mamba', whose causal "
-         r"language model is a MambaForCausalLM"),
+         r"`architectures` \['GPT2LMHeadModel'\] contradicts `model_type` 'mamba', whose model "
+         r"is a MambaForCausalLM"),
         (lambda f: _edit_config(f, model_type="mamba2"),
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
-         r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, "
-         r"recurrent_gemma\)"),
+         r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, qwen3_5, "
+         r"qwen3_5_text, recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
@@ -183,6 +189,53 @@ def test_a_recurrent_gemma_config_that_does_not_fit_is_named(changes, message, t
     ssmkit.pretrained.load(folder)
 
 
+def _edit_text_config(folder, **changes):
+  path = folder / "config.json"
+  values = json.loads(path.read_text())
+  path.write_text(json.dumps({**values, "text_config": {**values["text_config"], **changes}}))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("qwen3_5_text", lambda f: _edit_config(f, layer_types=["linear_attention"] * 3),
+         r"`layer_types` must give 'linear_attention' or 'full_attention' for each of the 4"),
+        ("qwen3_5_text", lambda f: _edit_config(f, linear_value_head_dim=12),
+         r"`linear_value_head_dim`=12 must be a multiple of `linear_key_head_dim`=8"),
+        ("qwen3_5_text", lambda f: _edit_config(f, rope_parameters={"partial_rotary_factor": 0.3125}),
+         r"`partial_rotary_factor`=0.3125 rotates 5 of 16 channels, an odd number"),
+        ("qwen3_5_text", lambda f: _edit_config(f, hidden_act="gelu"),
+         r"`hidden_act`='gelu' is not supported"),
+        # The image-text checkpoint: its language model's fields and weights are named as stored.
+        ("qwen3_5", lambda f: _drop_config_field(f, "text_config"),
+         r"config.json: the field `text_config` is missing"),
+        ("qwen3_5", lambda f: _edit_text_config(f, linear_num_value_heads=3),
+         r"config.json \(text_config\) gives a model ssmkit cannot build: `num_v_heads`=3"),
+        ("qwen3_5", lambda f: _edit_weights(f, lambda t: t.pop("model.language_model.norm.weight")),
+         r"the weight 'model.language_model.norm.weight' is missing"),
+        ("qwen3_5", lambda f: _edit_weights(f, lambda t: t.update({"model.extra": np.ones(3)})),
+         r"no place for: \['model.extra'\]"),
+        ("qwen3_5", lambda f: _edit_config(f, architectures=["Qwen3_5ForCausalLM"]),
+         r"contradicts `model_type` 'qwen3_5', whose model is a Qwen3_5ForConditionalGeneration"),
+    ],
+)
+def test_a_qwen3_5_checkpoint_that_does_not_fit_is_named(name, change, message, tmp_path):
+  folder = _copy(tmp_path, name)
+  change(folder)
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+    ssmkit.pretrained.load(folder)
+
+
+def test_an_image_text_checkpoint_leaves_out_its_vision_and_prediction_weights(tmp_path):
+  """Qwen3.5's image-text checkpoint loads its language model alone: the vision tower and the
+  multi-token prediction weights (which transformers does not load either) are left out."""
+  folder = _copy(tmp_path, "qwen3_5")
+  _edit_weights(folder, lambda t: t.update({"mtp.fc.weight": np.ones((2, 2), np.float32)}))
+  _, variables, _ = ssmkit.pretrained.load(folder)
+  jax.tree.map(np.testing.assert_array_equal, variables,
+               ssmkit.pretrained.load(FIXTURES / "qwen3_5")[1])
+
+
 def test_a_computation_dtype_that_is_none_is_named():
   for dtype in ("bfloat17", "int8"):
     with pytest.raises(ValueError, match=rf"`dtype` must be a floating dtype .* got {dtype!r}"):
@@ -223,7 +276,10 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
   for folder in ("linen", "nnx"):
     _, again, written = ssmkit.pretrained.load(tmp_path / folder)
     jax.tree.map(np.testing.assert_array_equal, again, variables)
-    assert all(written[key] == config[key] for key in written if key in config and key != "dtype")
+    assert written["architectures"] == [SAVED_AS[name]]
+    own = config.get("text_config", config)  # an image-text checkpoint's language model
+    assert all(written[key] == own[key] for key in written
+               if key in own and key not in ("dtype", "architectures"))
   # Blocks under nn.scan are saved one by one.
   ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned")
   jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "scanned")[1],
@@ -275,14 +331,14 @@ def test_transformers_loads_what_save_writes(name, tmp_path):
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / name)
   ssmkit.pretrained.save(model, variables, tmp_path)
   loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-  assert type(loaded).__name__ == ARCHITECTURES[name]
+  assert type(loaded).__name__ == SAVED_AS[name]
   expected = _expected(name)
   with torch.no_grad():
     logits = loaded(torch.as_tensor(expected["input_ids"], dtype=torch.long)).logits.numpy()
   assert _relative_error(logits, expected["logits"]) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["recurrent_gemma"])
+@pytest.mark.parametrize("name", ["recurrent_gemma", "qwen3_5"])
 def test_generate_continues_text_as_transformers_does(name, capsys):
   """`ssmkit generate --pretrained`: the fixture's ids as text, continued greedily, decode to
   the ids `transformers` generated, up to the end-of-text token (2), where the command stops."""
@@ -341,7 +397,7 @@ def _word_corpus(folder, seed=4):
   return folder
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", SAVED_BACK)
 def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, capsys):
   """load -> `ssmkit train` a few steps -> `ssmkit export`: the folder holds the checkpoint's own
   tensors by transformers' names (those of the fixture transformers wrote) with the fine-tuned

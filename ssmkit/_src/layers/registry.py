@@ -65,7 +65,8 @@ LAYERS: dict[str, Entry] = {
     "rglru": Entry(RGLRU, ({"num_heads": 2, "d_conv": 3},)),
     "mingru": Entry(MinGRU, ({"d_state": 6},)),
     "attention": Entry(Attention, (
-        {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "window": 5, "rope_fraction": 0.5},
+        {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "window": 5, "rope_fraction": 0.5,
+         "qk_norm": "rms_plus_one", "output_gate": True},
         {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "logit_cap": 3.0,
          "use_bias": True},
     )),

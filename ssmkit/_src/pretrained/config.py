@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from ssmkit._src.pretrained.files import CheckpointError
 
@@ -18,7 +18,7 @@ class Fields:
     source: the file, for error messages.
   """
 
-  def __init__(self, values: dict[str, Any], source: pathlib.Path):
+  def __init__(self, values: dict[str, Any], source: pathlib.Path | str):
     self.values = values
     self.source = source
 
@@ -50,3 +50,19 @@ class Fields:
     if value != expected:
       raise CheckpointError(f"{self.source}: `{name}`={value!r} is not supported: ssmkit computes "
                             f"this architecture exactly only with {name}={expected!r}.")
+
+
+class Wrapper(NamedTuple):
+  """A checkpoint that holds a language model inside a larger one (an image-text model): its
+  config.json's `text_config` is the language model's, whose weights are named with `prefix`
+  in place of "model.", beside weights under `ignored` prefixes that ssmkit leaves out.
+
+  Attributes:
+    architecture: the `architectures` name of the larger model.
+    prefix: what the language model's "model." weights are named with.
+    ignored: name prefixes of the weights of the rest (e.g. a vision tower).
+  """
+
+  architecture: str
+  prefix: str
+  ignored: tuple[str, ...]

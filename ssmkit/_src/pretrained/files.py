@@ -81,9 +81,20 @@ class Tensors:
     source: the directory, for error messages.
   """
 
-  def __init__(self, tensors: dict[str, Any], source: pathlib.Path):
-    self._tensors = dict(tensors)
+  def __init__(self, tensors: dict[str, Any], source: pathlib.Path, *,
+               ignored: tuple[str, ...] = (), renamed: tuple[str, str] | None = None):
+    """Holds `tensors` but those named with a prefix of `ignored`, each renamed by `renamed`,
+    (old prefix, new prefix), where its name starts with the old one."""
+    self._renamed = renamed or ("", "")
+    kept = [name for name in tensors if not (ignored and name.startswith(ignored))]
+    self._names = {_swap(name, *self._renamed): name for name in kept}
+    self._tensors = {new: tensors[name] for new, name in self._names.items()}
     self.source = source
+
+  def _stored(self, name: str) -> str:
+    """The name under which the checkpoint stores (or would store) the tensor `name`."""
+    old, new = self._renamed
+    return self._names.get(name, _swap(name, new, old))
 
   def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor `name` as float32, checked to have `shape`.
@@ -92,11 +103,11 @@ class Tensors:
       CheckpointError: naming the tensor when it is missing or of another shape.
     """
     if name not in self._tensors:
-      raise CheckpointError(f"{self.source}: the weight {name!r} is missing.")
+      raise CheckpointError(f"{self.source}: the weight {self._stored(name)!r} is missing.")
     value = self._tensors.pop(name)
     if tuple(value.shape) != tuple(shape):
-      raise CheckpointError(f"{self.source}: the weight {name!r} has shape {tuple(value.shape)}, "
-                            f"expected {tuple(shape)}.")
+      raise CheckpointError(f"{self.source}: the weight {self._stored(name)!r} has shape "
+                            f"{tuple(value.shape)}, expected {tuple(shape)}.")
     return np.asarray(value, np.float32)
 
   def has(self, name: str) -> bool:
@@ -106,4 +117,9 @@ class Tensors:
     """Raises `CheckpointError` naming the tensors that no parameter took."""
     if self._tensors:
       raise CheckpointError(f"{self.source}: weights that ssmkit's model has no place for: "
-                            f"{sorted(self._tensors)}.")
+                            f"{sorted(map(self._stored, self._tensors))}.")
+
+
+def _swap(name: str, old: str, new: str) -> str:
+  """`name` with its prefix `old` replaced by `new` (unchanged without that prefix)."""
+  return new + name[len(old):] if old and name.startswith(old) else name

@@ -11,15 +11,17 @@ from flax import traverse_util
 
 from ssmkit._src.layers.common import check_float_dtype
 from ssmkit._src.layers.model import SequenceModel
-from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
+from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, qwen3_5, recurrent_gemma
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
 # Each architecture ssmkit loads, by its `architectures` name in config.json, and by the
-# `model_type` that `transformers` reads to choose it.
+# `model_type` that `transformers` reads to choose it: its own, and those of the larger
+# checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
 ARCHITECTURES = {module.ARCHITECTURE: module
-                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma)}
-MODEL_TYPES = {module.MODEL_TYPE: module for module in ARCHITECTURES.values()}
+                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5)}
+MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
+               for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 
 
 def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
@@ -77,19 +79,25 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   Examples:
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
-    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'RecurrentGemmaForCausalLM']
+    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'Qwen3_5ForCausalLM',
+     'RecurrentGemmaForCausalLM']
   """
   check_float_dtype(dtype, "dtype")
   directory = checkpoint_directory(path_or_repo_id)
   values = read_config(directory)
   fields = Fields(values, directory / CONFIG)
   architecture = _architecture(fields)
+  wrapper = getattr(architecture, "WRAPPERS", {}).get(values["model_type"])
+  ignored, renamed = getattr(architecture, "IGNORED", ()), None
+  if wrapper is not None:
+    fields = _language_model(fields)
+    ignored, renamed = (*ignored, *wrapper.ignored), (wrapper.prefix, "model.")
   model = SequenceModel(**architecture.options(fields), dtype=dtype)
   try:
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
   except ValueError as error:
     raise CheckpointError(f"{fields.source} gives a model ssmkit cannot build: {error}") from None
-  tensors = Tensors(read_weights(directory), directory)
+  tensors = Tensors(read_weights(directory), directory, ignored=ignored, renamed=renamed)
   params = architecture.params(tensors, fields, model)
   tensors.finish()
   _check_tree(shapes["params"], params, directory)
@@ -121,12 +129,30 @@ def _architecture(fields: Fields) -> Any:
     raise CheckpointError(f"{fields.source}: `model_type` {model_type!r} is not one ssmkit loads "
                           f"({types}).")
   module = MODEL_TYPES[model_type]
-  names = fields.get("architectures", [module.ARCHITECTURE])
-  own = {module.ARCHITECTURE, module.ARCHITECTURE.replace("ForCausalLM", "Model")}
+  wrapper = getattr(module, "WRAPPERS", {}).get(model_type)
+  name = module.ARCHITECTURE if wrapper is None else wrapper.architecture
+  names = fields.get("architectures", [name])
+  own = {name, module.ARCHITECTURE.replace("ForCausalLM", "Model")} if wrapper is None else {name}
   if not isinstance(names, list) or not names or not set(names) <= own:
     raise CheckpointError(f"{fields.source}: `architectures` {names!r} contradicts `model_type` "
-                          f"{model_type!r}, whose causal language model is a {module.ARCHITECTURE}.")
+                          f"{model_type!r}, whose model is a {name}.")
   return module
+
+
+def _language_model(fields: Fields) -> Fields:
+  """The fields of the language model inside a larger checkpoint: its `text_config`, with the
+  larger model's tied head and special tokens where it gives them.
+
+  Raises:
+    CheckpointError: naming `text_config` when it is missing or not an object.
+  """
+  text = fields.get("text_config")
+  if not isinstance(text, dict):
+    raise CheckpointError(f"{fields.source}: `text_config` must be an object, got {text!r}.")
+  outer = {name: fields.values[name] for name in (
+      "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+      if fields.values.get(name) is not None}
+  return Fields({**text, **outer}, f"{fields.source} (text_config)")
 
 
 def _check_tree(expected: dict[str, Any], params: dict[str, Any], directory: pathlib.Path) -> None:

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
-from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, recurrent_gemma
+from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, qwen3_5, recurrent_gemma
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma)
+WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5)
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -35,7 +35,9 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
       `ssmkit.layers.Mamba` (`MambaForCausalLM`) or `ssmkit.layers.Mamba2` blocks
       (`Mamba2ForCausalLM`) with `block="mixer"`, `norm="rms"`, `mlp="none"`; or a pattern of
       `RGLRU` and `Attention` blocks with GeGLU MLPs, as `ssmkit.pretrained.load` builds a
-      `RecurrentGemmaForCausalLM`; token inputs and outputs, blocks unrolled or scanned. Or
+      `RecurrentGemmaForCausalLM`, or of `GatedDeltaNet` and gated `Attention` blocks with
+      SwiGLU MLPs and (1 + w) norms, as it builds a `Qwen3_5ForCausalLM`; token inputs and
+      outputs, blocks unrolled or scanned. Or
       its NNX twin (then `variables` is ignored).
     variables: the linen model's variables (`{"params": ...}`), e.g. of a trained `lm` run.
     directory: the folder to write; created if needed.
@@ -80,8 +82,10 @@ def _architecture(model: SequenceModel) -> Any:
   if not found:
     names = ", ".join(sorted(kind.__name__ for kind in kinds))
     raise CheckpointError(f"`model`: its layers ({names}) make no architecture that save writes "
-                          "(Mamba, Falcon-Mamba, Mamba2, or RGLRU and Attention as RecurrentGemma).")
-  architecture = found[0]
+                          "(Mamba, Falcon-Mamba, Mamba2, RGLRU and Attention as RecurrentGemma, "
+                          "GatedDeltaNet and Attention as Qwen3.5).")
+  exact = [a for a in found if all(getattr(model, k) == v for k, v in a.REQUIRED.items())]
+  architecture = (exact or found)[0]
   for name, value in architecture.REQUIRED.items():
     if getattr(model, name) != value:
       raise CheckpointError(f"`model.{name}`={getattr(model, name)!r}: a "

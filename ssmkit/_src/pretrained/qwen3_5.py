@@ -1,0 +1,306 @@
+"""`Qwen3_5ForCausalLM` checkpoints (Qwen3.5's language models) as a `SequenceModel`.
+
+Qwen3.5 interleaves Gated DeltaNet with gated attention, as its config's `layer_types` says
+("linear_attention", "full_attention"; by default every fourth layer attends), each in a
+pre-norm mixer block with a SwiGLU MLP, then a final norm and an untied head. Every norm scales
+by 1 + weight (ssmkit's "rms_plus_one", whose parameters are the stored weights) with the
+config's `rms_norm_eps`.
+
+- Gated DeltaNet is `ssmkit.layers.GatedDeltaNet`: `linear_num_key_heads` query/key heads of
+  `linear_key_head_dim` channels, read by groups of `linear_num_value_heads` value heads of
+  `linear_value_head_dim` channels. The checkpoint's `in_proj_qkv` and its convolution over
+  [q | k | v] are ssmkit's three projections and convolutions side by side.
+- Attention is `ssmkit.layers.Attention` with an output gate, whose projection the checkpoint
+  interleaves with the queries' head by head ([q | gate] per head in `q_proj`), (1 + w) query
+  and key norms per head, and `partial_rotary_factor` of each head rotating.
+
+Qwen3.5's published checkpoints are image-text models (`qwen3_5`,
+`Qwen3_5ForConditionalGeneration`): their language model (`text_config`,
+`model.language_model.*`) loads here and the vision tower (`model.visual.*`) is left out, as are
+the multi-token prediction weights (`mtp.*`) that `transformers` does not load either. `save`
+writes the language model, which `transformers` loads as a `Qwen3_5ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from ssmkit._src.layers.attention import Attention
+from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
+from ssmkit._src.pretrained.config import Fields, Wrapper
+from ssmkit._src.pretrained.files import CheckpointError, Tensors
+from ssmkit._src.pretrained.mamba import FLAX_RMS_EPS, head
+
+ARCHITECTURE = "Qwen3_5ForCausalLM"
+MODEL_TYPE = "qwen3_5_text"  # what `transformers` reads to pick the architecture
+# The image-text checkpoint that holds the same language model.
+WRAPPERS = {"qwen3_5": Wrapper("Qwen3_5ForConditionalGeneration", "model.language_model.",
+                               ("model.visual.",))}
+# Weights of the checkpoints that no `transformers` model loads: multi-token prediction.
+IGNORED = ("mtp.",)
+# The layers of its models, and the model options it has (`save` checks them).
+LAYERS = (GatedDeltaNet, Attention)
+REQUIRED = {"block": "mixer", "norm": "rms_plus_one", "mlp": "swiglu", "mlp_bias": False,
+            "prenorm": True, "pooling": "none", "decoder_bias": False, "scale_embeddings": False,
+            "logit_cap": None}
+_KINDS = {GatedDeltaNet: "linear_attention", Attention: "full_attention"}
+
+
+def fits(model: Any) -> bool:
+  """Every pattern of Gated DeltaNet and attention blocks is a Qwen3.5 candidate (`checkpoint`
+  names what does not fit)."""
+  del model
+  return True
+
+
+def options(fields: Fields) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of a Qwen3.5 `config.json` (its `text_config`).
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit cannot compute exactly.
+  """
+  fields.require("hidden_act", "silu")
+  features, blocks = fields.int("hidden_size"), fields.int("num_hidden_layers")
+  eps = fields.float("rms_norm_eps", 1e-6)
+  kinds = fields.get("layer_types", ["linear_attention"] * 3 + ["full_attention"])
+  unknown = sorted(set(kinds) - set(_KINDS.values()))
+  if unknown or len(kinds) != blocks:
+    raise CheckpointError(f"{fields.source}: `layer_types` must give 'linear_attention' or "
+                          f"'full_attention' for each of the {blocks} layers, got {kinds!r}.")
+  keys, values = fields.int("linear_key_head_dim", 128), fields.int("linear_value_head_dim", 128)
+  if values % keys:
+    raise CheckpointError(f"{fields.source}: `linear_value_head_dim`={values} must be a multiple of "
+                          f"`linear_key_head_dim`={keys} for ssmkit's GatedDeltaNet (expand_v).")
+  deltanet = functools.partial(
+      GatedDeltaNet, num_heads=fields.int("linear_num_key_heads", 16), d_state=keys,
+      expand_v=values // keys, num_v_heads=fields.int("linear_num_value_heads", 32),
+      norm_eps=eps, d_conv=fields.int("linear_conv_kernel_dim", 4))
+  attention = functools.partial(Attention, **attention_options(fields), qk_norm_eps=eps)
+  layers = {"linear_attention": deltanet, "full_attention": attention}
+  vocab = fields.int("vocab_size")
+  return dict(num_outputs=vocab, vocab_size=vocab, features=features, num_blocks=blocks,
+              layer=tuple(layers[kind] for kind in kinds), pooling="none", block="mixer",
+              norm="rms_plus_one", norm_eps=eps, mlp="swiglu",
+              mlp_expansion=fields.int("intermediate_size") / features,
+              tie_embeddings=bool(fields.get("tie_word_embeddings", False)), decoder_bias=False)
+
+
+def attention_options(fields: Fields) -> dict[str, Any]:
+  """The `Attention` options of Qwen3.5's and Qwen3-Next's gated attention.
+
+  Raises:
+    CheckpointError: naming `rope_parameters` when they are not the default rotary embedding
+      or rotate an odd number of channels.
+  """
+  heads = fields.int("num_attention_heads")
+  head_dim = fields.int("head_dim", fields.int("hidden_size") // heads)
+  rope = fields.get("rope_parameters", {})
+  if rope.get("rope_type", "default") != "default":
+    raise CheckpointError(f"{fields.source}: `rope_parameters.rope_type`={rope['rope_type']!r} is "
+                          "not supported: ssmkit's rotary embedding is the default one.")
+  fraction = float(rope.get("partial_rotary_factor", fields.get("partial_rotary_factor", 0.25)))
+  if int(head_dim * fraction) % 2:
+    raise CheckpointError(f"{fields.source}: `partial_rotary_factor`={fraction} rotates "
+                          f"{int(head_dim * fraction)} of {head_dim} channels, an odd number.")
+  return dict(num_heads=heads, num_kv_heads=fields.int("num_key_value_heads", heads),
+              head_dim=head_dim, rope_base=float(rope.get("rope_theta", 10_000.0)),
+              rope_fraction=fraction, qk_norm="rms_plus_one", output_gate=True,
+              use_bias=bool(fields.get("attention_bias", False)))
+
+
+def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+  del fields
+  features, vocab = model.features, model.vocab_size
+  norm = lambda name: {"RMSNormPlusOne_0": {"scale": tensors.take(name, (features,))}}
+  width = round(model.mlp_expansion * features)
+  tree: dict[str, Any] = {
+      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
+      "final_norm": norm("model.norm.weight"),
+  }
+  for i in range(model.num_blocks):
+    prefix = f"model.layers.{i}"
+    layer = model.layer[i % len(model.layer)]()
+    tree[f"block_{i}"] = {
+        "norm": norm(f"{prefix}.input_layernorm.weight"),
+        "mlp_norm": norm(f"{prefix}.post_attention_layernorm.weight"),
+        **swiglu(tensors, f"{prefix}.mlp", width, features),
+        "mixer": (deltanet(tensors, f"{prefix}.linear_attn", layer, features)
+                  if isinstance(layer, GatedDeltaNet)
+                  else attention(tensors, f"{prefix}.self_attn", layer, features)),
+    }
+  return {**tree, **head(tensors, model)}
+
+
+def swiglu(tensors: Tensors, where: str, width: int, features: int) -> dict[str, Any]:
+  """A mixer block's SwiGLU MLP from `gate_proj`, `up_proj`, `down_proj` without biases."""
+  take = lambda name, shape: {"kernel": tensors.take(f"{where}.{name}.weight", shape).T}
+  return {"mlp_gate": take("gate_proj", (width, features)),
+          "mlp_up": take("up_proj", (width, features)),
+          "mlp_down": take("down_proj", (features, width))}
+
+
+def deltanet(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int) -> dict[str, Any]:
+  """A Gated DeltaNet's parameters from Qwen3.5's separate projections."""
+  heads, v_heads, k = layer.num_heads, layer.num_v_heads or layer.num_heads, layer.d_state
+  v = layer.expand_v * k
+  take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
+  q_proj, k_proj, v_proj = np.split(
+      take("in_proj_qkv.weight", (2 * heads * k + v_heads * v, features)).T,
+      [heads * k, 2 * heads * k], axis=1)
+  return {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj,
+          "g_proj": take("in_proj_z.weight", (v_heads * v, features)).T,
+          "b_proj": take("in_proj_b.weight", (v_heads, features)).T,
+          "a_proj": take("in_proj_a.weight", (v_heads, features)).T,
+          **convolutions(take("conv1d.weight", (2 * heads * k + v_heads * v, 1, layer.d_conv)),
+                         heads * k),
+          **deltanet_decay_and_output(take, v_heads, v, features)}
+
+
+def convolutions(weight: np.ndarray, key_width: int) -> dict[str, np.ndarray]:
+  """ssmkit's `(d_conv, width)` kernels of q, k and v from the checkpoint's depthwise
+  convolution `(channels, 1, d_conv)` over [q | k | v]."""
+  q_conv, k_conv, v_conv = np.split(weight[:, 0, :].T, [key_width, 2 * key_width], axis=1)
+  return {"q_conv": q_conv, "k_conv": k_conv, "v_conv": v_conv}
+
+
+def deltanet_decay_and_output(take: Any, v_heads: int, v: int, features: int
+                              ) -> dict[str, np.ndarray]:
+  """A Gated DeltaNet's decay parameters, output norm and projection (their names are the same in
+  Qwen3.5 and Qwen3-Next)."""
+  return {"A_log": take("A_log", (v_heads,)), "dt_bias": take("dt_bias", (v_heads,)),
+          "norm_scale": take("norm.weight", (v,)),
+          "o_proj": take("out_proj.weight", (features, v_heads * v)).T}
+
+
+def attention(tensors: Tensors, where: str, layer: Attention, features: int) -> dict[str, Any]:
+  """Gated attention's parameters: `q_proj` holds [queries | gate] of each head in turn."""
+  heads, kv, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+  take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
+  both = take("q_proj.weight", (2 * heads * head_dim, features)).reshape(heads, 2, head_dim, -1)
+  tree = {"q_proj": both[:, 0].reshape(heads * head_dim, features).T,
+          "gate_proj": both[:, 1].reshape(heads * head_dim, features).T,
+          "k_proj": take("k_proj.weight", (kv * head_dim, features)).T,
+          "v_proj": take("v_proj.weight", (kv * head_dim, features)).T,
+          "o_proj": take("o_proj.weight", (features, heads * head_dim)).T,
+          "q_norm": take("q_norm.weight", (head_dim,)),
+          "k_norm": take("k_norm.weight", (head_dim,))}
+  if layer.use_bias:
+    pair = take("q_proj.bias", (2 * heads * head_dim,)).reshape(heads, 2, head_dim)
+    tree.update(q_bias=pair[:, 0].reshape(-1), gate_bias=pair[:, 1].reshape(-1),
+                k_bias=take("k_proj.bias", (kv * head_dim,)),
+                v_bias=take("v_proj.bias", (kv * head_dim,)),
+                o_bias=take("o_proj.bias", (features,)))
+  return tree
+
+
+def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """`(config.json fields, tensors)` of a pattern of Gated DeltaNet and gated attention blocks.
+
+  Raises:
+    CheckpointError: naming the option that `transformers`' Qwen3.5 does not have.
+  """
+  features = model.features
+  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  eps = FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps
+  deltanets = [layer for layer in made if isinstance(layer, GatedDeltaNet)]
+  attentions = [layer for layer in made if isinstance(layer, Attention)]
+  for name, group in (("GatedDeltaNet", deltanets), ("Attention", attentions)):
+    _expect(len({_settings(layer) for layer in group}) <= 1, f"{name} options",
+            "the same in every such layer")
+  fields = {"model_type": MODEL_TYPE, "hidden_size": features, "num_hidden_layers": model.num_blocks,
+            "intermediate_size": round(model.mlp_expansion * features), "hidden_act": "silu",
+            "rms_norm_eps": eps, "tie_word_embeddings": model.tie_embeddings,
+            "layer_types": [_KINDS[type(made[i % len(made)])] for i in range(model.num_blocks)]}
+  if deltanets:
+    layer = deltanets[0]
+    _expect(layer.d_state is not None and layer.norm_eps == eps, "GatedDeltaNet",
+            f"given d_state, and norm_eps the model's norm_eps ({eps})")
+    fields.update(linear_num_key_heads=layer.num_heads, linear_key_head_dim=layer.d_state,
+                  linear_num_value_heads=layer.num_v_heads or layer.num_heads,
+                  linear_value_head_dim=layer.expand_v * layer.d_state,
+                  linear_conv_kernel_dim=layer.d_conv)
+  if attentions:
+    layer = attentions[0]
+    fields.update(attention_fields(layer, features, eps))
+  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
+             "model.norm.weight": params["final_norm"]["RMSNormPlusOne_0"]["scale"]}
+  if not model.tie_embeddings:
+    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  for i, block in enumerate(blocks):
+    prefix, mixer = f"model.layers.{i}", block["mixer"]
+    tensors[f"{prefix}.input_layernorm.weight"] = block["norm"]["RMSNormPlusOne_0"]["scale"]
+    tensors[f"{prefix}.post_attention_layernorm.weight"] = (
+        block["mlp_norm"]["RMSNormPlusOne_0"]["scale"])
+    for name in ("gate", "up", "down"):
+      tensors[f"{prefix}.mlp.{name}_proj.weight"] = block[f"mlp_{name}"]["kernel"].T
+    place, named = (("linear_attn", deltanet_tensors(mixer)) if "A_log" in mixer
+                    else ("self_attn", attention_tensors(mixer)))
+    tensors.update({f"{prefix}.{place}.{name}": value for name, value in named.items()})
+  return fields, tensors
+
+
+def attention_fields(layer: Attention, features: int, eps: float) -> dict[str, Any]:
+  """The config.json fields of Qwen3.5's and Qwen3-Next's gated attention.
+
+  Raises:
+    CheckpointError: naming the attention option they do not have.
+  """
+  out_bias = layer.use_bias if layer.out_bias is None else layer.out_bias
+  _expect(layer.output_gate and layer.qk_norm == "rms_plus_one" and layer.qk_norm_eps == eps,
+          "Attention", f"output_gate=True, qk_norm='rms_plus_one', qk_norm_eps={eps}")
+  _expect(layer.window is None and layer.logit_cap is None and out_bias == layer.use_bias,
+          "Attention", "global (window None), without logit_cap, with out_bias as use_bias")
+  heads = layer.num_heads
+  return {"num_attention_heads": heads, "num_key_value_heads": layer.num_kv_heads or heads,
+          "head_dim": layer.head_dim or features // heads, "attention_bias": layer.use_bias,
+          "rope_parameters": {"rope_type": "default", "rope_theta": layer.rope_base,
+                              "partial_rotary_factor": layer.rope_fraction}}
+
+
+def _settings(layer: Any) -> tuple[Any, ...]:
+  """The options of a layer that config.json holds once for all such layers."""
+  if isinstance(layer, GatedDeltaNet):
+    return (layer.num_heads, layer.d_state, layer.expand_v, layer.num_v_heads, layer.norm_eps,
+            layer.d_conv)
+  return (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.rope_base,
+          layer.rope_fraction, layer.window, layer.qk_norm, layer.qk_norm_eps, layer.output_gate,
+          layer.logit_cap, layer.use_bias, layer.out_bias)
+
+
+def _expect(holds: bool, option: str, what: str) -> None:
+  if not holds:
+    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+
+
+def deltanet_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """Qwen3.5's Gated DeltaNet tensors from ssmkit's parameters."""
+  return {
+      "in_proj_qkv.weight": np.concatenate([mixer[f"{n}_proj"] for n in "qkv"], axis=1).T,
+      "in_proj_z.weight": mixer["g_proj"].T, "in_proj_b.weight": mixer["b_proj"].T,
+      "in_proj_a.weight": mixer["a_proj"].T,
+      "conv1d.weight": np.concatenate([mixer[f"{n}_conv"] for n in "qkv"], axis=1).T[:, None, :],
+      "A_log": mixer["A_log"], "dt_bias": mixer["dt_bias"], "norm.weight": mixer["norm_scale"],
+      "out_proj.weight": mixer["o_proj"].T,
+  }
+
+
+def attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """Gated attention's tensors, queries and gate interleaved head by head in `q_proj`."""
+  head_dim = mixer["q_norm"].shape[0]
+  interleave = lambda q, gate: np.stack([q.reshape(-1, head_dim, *q.shape[1:]),
+                                         gate.reshape(-1, head_dim, *gate.shape[1:])], 1).reshape(
+                                             -1, *q.shape[1:])
+  tensors = {"q_proj.weight": interleave(mixer["q_proj"].T, mixer["gate_proj"].T),
+             "k_proj.weight": mixer["k_proj"].T, "v_proj.weight": mixer["v_proj"].T,
+             "o_proj.weight": mixer["o_proj"].T, "q_norm.weight": mixer["q_norm"],
+             "k_norm.weight": mixer["k_norm"]}
+  if "q_bias" in mixer:
+    tensors.update({"q_proj.bias": interleave(mixer["q_bias"], mixer["gate_bias"]),
+                    "k_proj.bias": mixer["k_bias"], "v_proj.bias": mixer["v_bias"],
+                    "o_proj.bias": mixer["o_bias"]})
+  return tensors
