@@ -3,6 +3,7 @@
 from ssmkit._src.layers.attention import Attention, AttentionState
 from ssmkit._src.layers.block import MixerBlock, SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
+from ssmkit._src.layers.experts import Experts, MixtureOfExperts
 from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
@@ -27,6 +28,7 @@ __all__ = [
     "Attention",
     "AttentionState",
     "ConvRecurrentState",
+    "Experts",
     "GatedDeltaNet",
     "GatedDeltaProduct",
     "KimiDeltaAttention",
@@ -35,6 +37,7 @@ __all__ = [
     "Mamba3",
     "MinGRU",
     "MixerBlock",
+    "MixtureOfExperts",
     "RGLRUState",
     "SSMBlock",
     "SequenceModel",

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common
+from ssmkit._src.layers.experts import Experts, MixtureOfExperts
 from ssmkit._src.layers.functional import ValueResidual, shares_values
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.norms import RMSNormPlusOne
@@ -21,7 +22,7 @@ ModuleDef = Callable[..., nn.Module]
 
 NORMS = ("layer", "batch", "rms", "rms_plus_one")
 ACTIVATIONS = ("gelu", "glu", "half_glu")
-MLPS = ("none", "gelu", "geglu", "swiglu")
+MLPS = ("none", "gelu", "geglu", "swiglu", "experts")
 # The activation of each MLP; the gated ones multiply it by a second projection.
 _MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu": jax.nn.gelu, "geglu": jax.nn.gelu, "swiglu": jax.nn.silu}
@@ -321,9 +322,12 @@ class MixerBlock(_Block):
   Attributes:
     layer: factory of the mixer, e.g. `functools.partial(ssmkit.layers.Attention, window=64)`.
     norm: "rms", "rms_plus_one", "layer" or "batch", before the mixer and before the MLP.
-    mlp: "none", "gelu" (down(gelu(up x))), "geglu" (down(gelu(gate x) * up x)) or "swiglu"
-      (down(silu(gate x) * up x)); GELU is its tanh approximation.
-    mlp_expansion: the MLP's hidden width over the block's width.
+    mlp: "none", "gelu" (down(gelu(up x))), "geglu" (down(gelu(gate x) * up x)), "swiglu"
+      (down(silu(gate x) * up x)), or "experts", a mixture of SwiGLU experts (`experts`);
+      GELU is its tanh approximation.
+    mlp_expansion: the MLP's hidden width over the block's width (not of "experts").
+    experts: the mixture of experts of `mlp="experts"` (`ssmkit.layers.Experts`), a
+      `MixtureOfExperts` named "mlp_experts".
     mlp_bias: biases in the MLP's projections.
     dropout_rate: dropout on the mixer's and the MLP's outputs, when `train`.
 
@@ -337,6 +341,7 @@ class MixerBlock(_Block):
   mlp: str = "none"
   mlp_expansion: float = 4.0
   mlp_bias: bool = False
+  experts: Experts | None = None
   dropout_rate: float = 0.0
 
   @nn.compact
@@ -345,7 +350,7 @@ class MixerBlock(_Block):
               value_residual: ValueResidual | None = None) -> tuple[tuple[Any, Any], Array]:
     """The block on checked inputs, carry first, as a model stacks it: `((state,
     value_residual), y)` (arguments as `SSMBlock.forward`'s)."""
-    check_choice(self.mlp, MLPS, "mlp")
+    check_experts(self.mlp, self.experts)
     norm = self._norm("norm")
     mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
                               single_step=single_step, return_state=return_state, mode=mode,
@@ -354,6 +359,11 @@ class MixerBlock(_Block):
     if self.mlp != "none":
       mlp_norm = functools.partial(self._norm("mlp_norm"), mask=mask, train=train,
                                    axis_name=axis_name)
+    if self.mlp == "experts":
+      mlp = functools.partial(
+          MixtureOfExperts(self.experts, dtype=self.dtype, param_dtype=self.param_dtype,
+                           name="mlp_experts"), axis_name=axis_name)
+    elif self.mlp != "none":
       dense = functools.partial(self._dense, use_bias=self.mlp_bias)
       hidden = mlp_width(x.shape[-1], self.mlp_expansion)
       mlp = functools.partial(
@@ -364,6 +374,16 @@ class MixerBlock(_Block):
                           norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
                           mlp_norm=mlp_norm, mlp=mlp)
+
+
+def check_experts(mlp: str, experts: Experts | None) -> None:
+  """Checks a mixer block's `mlp` kind and its `experts`, naming what does not fit."""
+  check_choice(mlp, MLPS, "mlp")
+  if (mlp == "experts") != (experts is not None):
+    raise ValueError(f"`experts` is the mixture of `mlp='experts'`: give both or neither, got "
+                     f"mlp={mlp!r} and experts={experts!r}.")
+  if experts is not None and not isinstance(experts, Experts):
+    raise ValueError(f"`experts` must be an ssmkit.layers.Experts, got {type(experts).__name__}.")
 
 
 def check_mask(mask: Array | None, x: Array) -> Array | None:

@@ -16,14 +16,15 @@ from ssmkit._src.engine import axis_position
 from ssmkit._src.layers import common
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import (
-  MLPS,
   MixerBlock,
   ModuleDef,
   Norm,
   SSMBlock,
   check_choice,
+  check_experts,
   check_mask,
 )
+from ssmkit._src.layers.experts import AUX_LOSS, Experts
 from ssmkit._src.layers.functional import LinenLayer, ValueResidual, shares_values
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.modes import Mode
@@ -38,8 +39,8 @@ BLOCKS = ("ssm", "mixer")
 # models and blocks.
 BLOCK_OPTIONS = {
     "ssm": ("norm", "norm_eps", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
-    "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "dropout_rate", "dtype",
-              "param_dtype"),
+    "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "experts", "dropout_rate",
+              "dtype", "param_dtype"),
 }
 
 
@@ -90,7 +91,8 @@ def block_layer(model: Any, index: int) -> Callable[..., Any]:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _compiled_init(model: nn.Module, static: tuple[tuple[str, Any], ...], rngs: Any,
                    args: tuple[Any, ...], arrays: dict[str, Any]) -> Any:
-  return nn.Module.init(model, rngs, *args, **dict(static), **arrays)
+  variables = nn.Module.init(model, rngs, *args, **dict(static), **arrays)
+  return {name: value for name, value in variables.items() if name != AUX_LOSS}
 
 
 def check_model(model: Any) -> None:
@@ -101,7 +103,7 @@ def check_model(model: Any) -> None:
   """
   check_choice(model.pooling, POOLINGS, "pooling")
   check_choice(model.block, BLOCKS, "block")
-  check_choice(model.mlp, MLPS, "mlp")
+  check_experts(model.mlp, model.experts)
   common.check_positive_int(model.num_blocks, "num_blocks")
   if model.block == "ssm" and model.mlp != "none":
     raise ValueError(f"`mlp` needs block='mixer' (an SSMBlock has its `activation`), got "
@@ -209,9 +211,11 @@ class SequenceModel(nn.Module):
     norm_eps: the epsilon of every norm; None: flax's default (1e-6 for "layer" and "rms",
       1e-5 for "batch"). Published Mamba checkpoints use 1e-5.
     activation: "gelu", "glu" or "half_glu" (block "ssm", see `SSMBlock`).
-    mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer", see `MixerBlock`).
+    mlp: "none", "gelu", "geglu", "swiglu" or "experts" (block "mixer", see `MixerBlock`).
     mlp_expansion: the MLP's hidden width over `features` (block "mixer").
     mlp_bias: biases in the MLP's projections (block "mixer").
+    experts: the mixture of experts of every block with `mlp="experts"`
+      (`ssmkit.layers.Experts`).
     dropout_rate: dropout inside the blocks when `train`.
     prenorm: normalise block inputs (True) or residual sums (False; block "ssm" only); a
       pre-norm model normalises the last block's outputs.
@@ -246,6 +250,7 @@ class SequenceModel(nn.Module):
   mlp: str = "none"
   mlp_expansion: float = 4.0
   mlp_bias: bool = False
+  experts: Experts | None = None
   dropout_rate: float = 0.0
   prenorm: bool = True
   scan_blocks: bool = False
@@ -273,7 +278,7 @@ class SequenceModel(nn.Module):
   def _scanned(self, blocks: tuple[ModuleDef, ...], length: int, name: str, **flags: Any) -> nn.Module:
     scan = nn.scan(
         _ScannedBlocks,
-        variable_axes={"params": 0, "batch_stats": 0},
+        variable_axes={"params": 0, "batch_stats": 0, AUX_LOSS: 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast, nn.broadcast),
         length=length,
@@ -344,7 +349,9 @@ class SequenceModel(nn.Module):
     new process on CPU (`ssmkit bench layers` times it). The values are those of
     `jax.jit(model.init)`: flax's eager init could differ from them in the last bits, where XLA
     fuses an initializer's arithmetic. `method`, and a `mutable` or `capture_intermediates`
-    other than a bool, take flax's eager path.
+    other than a bool, take flax's eager path. The load-balancing losses that mixtures of
+    experts sow while initialising ("aux_loss") are left out of the variables, so that `apply`
+    with `mutable=["aux_loss"]` returns the call's own.
     """
     static = {k: v for k, v in kwargs.items() if isinstance(v, str | bool | int | float)}
     arrays = {k: v for k, v in kwargs.items() if k not in static}

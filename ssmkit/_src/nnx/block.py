@@ -13,9 +13,9 @@ from flax import nnx
 from ssmkit._src.layers import common
 from ssmkit._src.layers.block import (
   ACTIVATIONS,
-  MLPS,
   NORMS,
   check_choice,
+  check_experts,
   check_mask,
   check_norm_across_devices,
   expand_mask,
@@ -25,9 +25,11 @@ from ssmkit._src.layers.block import (
   residual,
   run_layer,
 )
+from ssmkit._src.layers.experts import Experts
 from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.layers.norms import rms_norm_plus_one
 from ssmkit._src.modes import Mode
+from ssmkit._src.nnx.experts import MixtureOfExperts
 from ssmkit._src.nnx.layers import LRU
 
 Array = jax.Array
@@ -216,6 +218,7 @@ class MixerBlock(_Block):
     mlp_up: the MLP's first projection, or None.
     mlp_gate: the MLP's gate projection ("geglu", "swiglu"), else None.
     mlp_down: the MLP's output projection, or None.
+    mlp_experts: the mixture of experts of `mlp="experts"`, else None.
   """
 
   _layer_name = "mixer"
@@ -223,7 +226,7 @@ class MixerBlock(_Block):
   def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
                param_dtype: Any = jnp.float32, norm: str = "rms", norm_eps: float | None = None,
                mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
-               dropout_rate: float = 0.0, rngs: nnx.Rngs):
+               experts: Experts | None = None, dropout_rate: float = 0.0, rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -233,18 +236,20 @@ class MixerBlock(_Block):
       param_dtype: the dtype of their parameters (the layer has its own).
       norm: "rms", "rms_plus_one", "layer" or "batch".
       norm_eps: the norms' epsilon; None: flax's default.
-      mlp: "none", "gelu", "geglu" or "swiglu" (see `ssmkit.layers.MixerBlock`).
+      mlp: "none", "gelu", "geglu", "swiglu" or "experts" (see `ssmkit.layers.MixerBlock`).
       mlp_expansion: the MLP's hidden width over `features`.
       mlp_bias: biases in the MLP's projections.
+      experts: the mixture of `mlp="experts"` (`ssmkit.layers.Experts`).
       dropout_rate: dropout on the mixer's and the MLP's outputs, in training mode.
       rngs: the parameters' and dropout's random streams.
     """
     common.check_positive_int(features, "features")
-    check_choice(mlp, MLPS, "mlp")
+    check_experts(mlp, experts)
     self.features = features
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
     self.mlp_bias = mlp_bias
+    self.experts = experts
     self.dtype, self.param_dtype = dtype, param_dtype
     precision = dict(dtype=dtype, param_dtype=param_dtype)
     self.norm_eps = norm_eps
@@ -253,11 +258,13 @@ class MixerBlock(_Block):
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     hidden = mlp_width(features, mlp_expansion)
     linear = functools.partial(nnx.Linear, use_bias=mlp_bias, rngs=rngs, **precision)
-    has_mlp = mlp != "none"
+    has_mlp, dense = mlp != "none", mlp not in ("none", "experts")
     self.mlp_norm = make_norm(norm, features, rngs, eps=norm_eps, **precision) if has_mlp else None
-    self.mlp_up = linear(features, hidden) if has_mlp else None
+    self.mlp_up = linear(features, hidden) if dense else None
     self.mlp_gate = linear(features, hidden) if mlp in ("geglu", "swiglu") else None
-    self.mlp_down = linear(hidden, features) if has_mlp else None
+    self.mlp_down = linear(hidden, features) if dense else None
+    self.mlp_experts = (MixtureOfExperts(features, experts, rngs=rngs, **precision)
+                        if mlp == "experts" else None)
 
   def forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
               single_step: bool, return_state: bool, mode: str | Mode,
@@ -268,7 +275,9 @@ class MixerBlock(_Block):
     `eval()`)."""
     norm = functools.partial(normalize, mask=mask, inference=single_step, axis_name=axis_name)
     mlp = None
-    if self.mlp != "none":
+    if self.mlp == "experts":
+      mlp = functools.partial(self.mlp_experts, axis_name=axis_name)
+    elif self.mlp != "none":
       mlp = functools.partial(feed_forward, kind=self.mlp, up=self.mlp_up, gate=self.mlp_gate,
                               down=self.mlp_down)
     return mixer_residual(

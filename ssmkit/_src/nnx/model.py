@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ssmkit._src.layers.experts import Experts
 from ssmkit._src.layers.model import (
   block_layer,
   block_options,
@@ -73,11 +74,11 @@ class SequenceModel(nnx.Module):
                features: int = 64, num_blocks: int = 2, vocab_size: int | None = None,
                pooling: str = "mean", block: str = "ssm", norm: str = "layer",
                norm_eps: float | None = None, activation: str = "glu", mlp: str = "none",
-               mlp_expansion: float = 4.0, mlp_bias: bool = False, dropout_rate: float = 0.0,
-               prenorm: bool = True, scan_blocks: bool = False, tie_embeddings: bool = False,
-               decoder_bias: bool = True, scale_embeddings: bool | float = False,
-               logit_cap: float | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
+               mlp_expansion: float = 4.0, mlp_bias: bool = False, experts: Experts | None = None,
+               dropout_rate: float = 0.0, prenorm: bool = True, scan_blocks: bool = False,
+               tie_embeddings: bool = False, decoder_bias: bool = True,
+               scale_embeddings: bool | float = False, logit_cap: float | None = None,
+               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
     Args:
@@ -93,9 +94,10 @@ class SequenceModel(nnx.Module):
       norm: "layer", "batch", "rms" or "rms_plus_one".
       norm_eps: the epsilon of every norm; None: flax's default.
       activation: "gelu", "glu" or "half_glu" (block "ssm").
-      mlp: "none", "gelu", "geglu" or "swiglu" (block "mixer").
+      mlp: "none", "gelu", "geglu", "swiglu" or "experts" (block "mixer").
       mlp_expansion: the MLP's hidden width over `features` (block "mixer").
       mlp_bias: biases in the MLP's projections (block "mixer").
+      experts: the mixture of experts of `mlp="experts"` (`ssmkit.layers.Experts`).
       dropout_rate: dropout inside the blocks in training mode.
       prenorm: normalise block inputs (True) or residual sums (False; block "ssm" only).
       scan_blocks: run the blocks with `nnx.scan` over parameters stacked on a leading axis,
@@ -127,6 +129,7 @@ class SequenceModel(nnx.Module):
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
     self.mlp_bias = mlp_bias
+    self.experts = experts
     self.dropout_rate = dropout_rate
     self.prenorm = prenorm
     self.scan_blocks = scan_blocks

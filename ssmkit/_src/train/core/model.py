@@ -22,6 +22,7 @@ import numpy as np
 from flax.training import train_state
 
 from ssmkit import layers
+from ssmkit._src.layers.experts import MixtureOfExperts
 from ssmkit._src.layers.model import check_model
 from ssmkit._src.layers.registry import ACTIVATIONS, BLOCKS, LAYERS, MLPS, NORMS, POOLINGS
 from ssmkit._src.modes import Mode
@@ -56,12 +57,16 @@ class ModelConfig:
   norm_eps: float | None = None
   # After the layer of an "ssm" block: GELU, or GELU and a gated linear unit.
   activation: str = "glu"
-  # The MLP of a "mixer" block: none, gelu, geglu or swiglu.
+  # The MLP of a "mixer" block: none, gelu, geglu, swiglu, or experts (a mixture of experts).
   mlp: str = "none"
   # The MLP's hidden width over `features`.
   mlp_expansion: float = 4.0
   # Biases in the MLP's projections.
   mlp_bias: bool = False
+  # With mlp: experts, the keyword arguments of ssmkit.layers.Experts, e.g. {num_experts: 8,
+  # top_k: 2, width: 128, shared_width: 128, balance_weight: 0.01}; its weighted load-balancing
+  # loss is added to the training loss.
+  experts: dict[str, Any] | None = None
   # Dropout inside the blocks during training.
   dropout_rate: float = 0.0
   # Normalise block inputs (true) or residual sums (false; "ssm" blocks only).
@@ -260,6 +265,7 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
       vocab_size=vocab_size,
       dtype=None if config.dtype is None else float_dtype(config.dtype, "model.dtype"),
       param_dtype=float_dtype(config.param_dtype, "model.param_dtype"),
+      experts=_experts(config.experts),
       **{name: getattr(config, name) for name in _MODEL_OPTIONS},
   )
   try:
@@ -268,6 +274,26 @@ def build_model(config: ModelConfig, num_outputs: int, vocab_size: int | None) -
     # The option a model error names first is the one at fault: name it by its config key.
     raise ConfigError(re.sub(r"`(\w+)`", r"`model.\1`", str(error), count=1)) from None
   return model
+
+
+def _experts(kwargs: dict[str, Any] | None) -> layers.Experts | None:
+  """The `ssmkit.layers.Experts` of `model.experts`, or None.
+
+  Raises:
+    ConfigError: naming `model.experts` (and the key) when it is no mapping of the fields of
+      `ssmkit.layers.Experts`, or a value that it rejects.
+  """
+  if kwargs is None:
+    return None
+  fields = {f.name for f in dataclasses.fields(layers.Experts)}
+  if not isinstance(kwargs, dict) or set(kwargs) - fields:
+    unknown = sorted(set(kwargs) - fields) if isinstance(kwargs, dict) else kwargs
+    raise ConfigError(f"`model.experts` must map fields of ssmkit.layers.Experts "
+                      f"({', '.join(sorted(fields))}) to values, got {unknown!r}.")
+  try:
+    return layers.Experts(**kwargs)
+  except ValueError as error:
+    raise ConfigError(re.sub(r"`(\w+)`", r"`model.experts.\1`", str(error), count=1)) from None
 
 
 def float_dtype(name: str, key: str) -> np.dtype:
@@ -322,7 +348,9 @@ def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
     own = groups[_pattern_position(keys, len(groups))]
     if in_layer and keys[-1] in own.recurrence:
       return "ssm"
-    if (in_layer and keys[-1] in own.no_decay) or keys[-1] in ("bias", "scale", "embedding"):
+    experts = "mlp_experts" in keys and keys[-1] in MixtureOfExperts.parameter_groups.no_decay
+    if ((in_layer and keys[-1] in own.no_decay) or experts
+        or keys[-1] in ("bias", "scale", "embedding")):
       return "no_decay"
     return "decay"
 

@@ -13,6 +13,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding
 
+from ssmkit._src.layers.experts import AUX_LOSS
 from ssmkit._src.train.core.loop import run_steps
 from ssmkit._src.train.core.model import TrainState
 from ssmkit._src.train.supervised.data import gather
@@ -73,7 +74,8 @@ def metric_sums(logits: Array, batch: Batch) -> dict[str, Array]:
 
 
 def train_step(state: TrainState, batch: Batch, rng: Array) -> tuple[TrainState, dict[str, Array]]:
-  """One AdamW step on the mean cross-entropy of `batch`.
+  """One AdamW step on the mean cross-entropy of `batch`, plus the weighted load-balancing
+  losses that the model's mixtures of experts sow (none without experts).
 
   Args:
     state: the current state.
@@ -95,10 +97,12 @@ def train_step(state: TrainState, batch: Batch, rng: Array) -> tuple[TrainState,
         batch.get("reset"),
         train=True,
         rngs={"dropout": dropout_key},
-        mutable=["batch_stats"],
+        mutable=["batch_stats", AUX_LOSS],
     )
     sums = metric_sums(logits, batch)
-    return sums["loss"] / jnp.maximum(sums["count"], 1.0), (sums, updates)
+    # The weighted load-balancing losses that mixtures of experts sow, one per block.
+    aux = sum(jnp.sum(leaf) for leaf in jax.tree.leaves(updates.get(AUX_LOSS, {})))
+    return sums["loss"] / jnp.maximum(sums["count"], 1.0) + aux, (sums, updates)
 
   grads, (sums, updates) = jax.grad(loss_fn, has_aux=True)(state.params)
   state = state.apply_gradients(grads=grads)

@@ -1,0 +1,244 @@
+"""The mixture of experts against a float64 NumPy loop over tokens, and against a dense JAX form
+(every expert on every token, weighted by the chosen weights) for gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import ssmkit.nnx as snx
+from ssmkit import layers, train
+from ssmkit._src.layers import experts as moe
+from ssmkit._src.train.core.errors import ConfigError
+from ssmkit._src.train.core.model import TrainState, build_model, parameter_labels
+from ssmkit._src.train.supervised import steps
+
+CONFIGS = {
+    # Qwen3-Next's: softmax, renormalised top-k, a shared expert behind a sigmoid gate.
+    "softmax-shared-gate": layers.Experts(num_experts=4, top_k=2, width=6, shared_width=5,
+                                          shared_gate=True),
+    # DeepSeek-V3's and Kimi Linear's: sigmoid scores, a score bias for the choice, grouped
+    # choice, routed scaling.
+    "sigmoid-grouped-bias": layers.Experts(num_experts=8, top_k=3, width=4, scoring="sigmoid",
+                                           score_bias=True, groups=4, top_groups=2,
+                                           routed_scale=2.5),
+    # Jamba's: softmax top-k without renormalisation, no shared expert.
+    "softmax-plain": layers.Experts(num_experts=5, top_k=1, width=3, normalize=False),
+}
+
+
+def _params(config, features, seed=0):
+  rng = np.random.default_rng(seed)
+  specs = moe.param_specs(config, features)
+  return {name: rng.normal(size=spec.shape) for name, spec in specs.items()}
+
+
+def _swiglu(x, gate, up, down):
+  g = x @ gate
+  return (g / (1 + np.exp(-g)) * (x @ up)) @ down
+
+
+def _reference(config, p, x):
+  """Token by token: scores, the choice, the weights, the chosen experts and the shared one."""
+  y = np.zeros_like(x)
+  counts, mean = np.zeros(config.num_experts), np.zeros(config.num_experts)
+  for n, token in enumerate(x):
+    logits = token @ p["router"]
+    if config.scoring == "softmax":
+      scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    else:
+      scores = 1 / (1 + np.exp(-logits))
+    choice = scores + p["score_bias"] if config.score_bias else scores.copy()
+    if config.groups > 1:
+      grouped = choice.reshape(config.groups, -1)
+      group_scores = np.sort(grouped, axis=1)[:, -2:].sum(1)
+      kept = np.argsort(-group_scores)[:config.top_groups]
+      choice = np.where(np.isin(np.arange(config.groups), kept)[:, None], grouped, -np.inf).ravel()
+    chosen = np.argsort(-choice)[:config.top_k]
+    weights = scores[chosen]
+    if config.normalize:
+      weights = weights / weights.sum()
+    weights = weights * config.routed_scale
+    for e, w in zip(chosen, weights, strict=True):
+      y[n] += w * _swiglu(token, p["gate"][e], p["up"][e], p["down"][e])
+      counts[e] += 1
+    mean += scores
+    if config.shared_width:
+      shared = _swiglu(token, p["shared_gate"], p["shared_up"], p["shared_down"])
+      if config.shared_gate:
+        shared = shared / (1 + np.exp(-(token @ p["shared_router"])))
+      y[n] += shared
+  balance = config.num_experts * np.sum(counts / len(x) * mean / len(x)) / config.top_k
+  return y, balance
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_the_mixture_is_the_token_by_token_loop(name, tokens):
+  config, features = CONFIGS[name], 7
+  params = _params(config, features)
+  x = np.random.default_rng(1).normal(size=(tokens, features))
+  want, balance = _reference(config, params, x)
+  got, got_balance = jax.jit(functools.partial(moe.mixture, config, dtype=jnp.float64))(params, x)
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(got_balance, balance, rtol=1e-12)
+
+
+def _dense(config, params, x):
+  """Every expert on every token, weighted by the chosen weights (zero elsewhere)."""
+  weights, chosen, _ = moe.route(config, params, x)
+  dense = jnp.zeros((x.shape[0], config.num_experts), x.dtype).at[
+      jnp.arange(x.shape[0])[:, None], chosen].set(weights.astype(x.dtype))
+  silu = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, params["gate"]))
+  out = jnp.einsum("nei,eih->neh", silu * jnp.einsum("nh,ehi->nei", x, params["up"]),
+                   params["down"])
+  y = jnp.einsum("ne,neh->nh", dense, out)
+  if config.shared_width:
+    shared = (jax.nn.silu(x @ params["shared_gate"]) * (x @ params["shared_up"])) @ params["shared_down"]
+    if config.shared_gate:
+      shared = shared * jax.nn.sigmoid(x @ params["shared_router"])
+    y = y + shared
+  return y
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradients_and_jvp_are_those_of_the_dense_form(name):
+  config = CONFIGS[name]
+  params = jax.tree.map(jnp.asarray, _params(config, 7))
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 11, 7)))
+  cotangent = jnp.asarray(np.random.default_rng(3).normal(size=x.shape))
+  sparse = lambda p, x: jnp.sum(moe.mixture(config, p, x, jnp.float64)[0] * cotangent)
+  dense = lambda p, x: jnp.sum(_dense(config, p, x.reshape(-1, 7)).reshape(x.shape) * cotangent)
+  got, want = jax.jit(jax.grad(sparse, (0, 1)))(params, x), jax.grad(dense, (0, 1))(params, x)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10, atol=1e-12), got, want)
+  tangents = jax.tree.map(jnp.ones_like, (params, x))
+  np.testing.assert_allclose(jax.jvp(sparse, (params, x), tangents)[1],
+                             jax.jvp(dense, (params, x), tangents)[1], rtol=1e-10)
+
+
+def test_vmap_over_an_ensemble_and_no_tokens():
+  config = CONFIGS["softmax-shared-gate"]
+  ensemble = [jax.tree.map(jnp.asarray, _params(config, 7, seed)) for seed in range(3)]
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 5, 7)))
+  run = lambda params, x: moe.mixture(config, params, x, jnp.float64)[0]
+  got = jax.vmap(run)(jax.tree.map(lambda *a: jnp.stack(a), *ensemble), x)
+  for i, params in enumerate(ensemble):
+    np.testing.assert_allclose(got[i], run(params, x[i]), rtol=1e-12, atol=1e-12)
+  assert run(ensemble[0], jnp.zeros((2, 0, 7))).shape == (2, 0, 7)
+
+
+def _model(**options):
+  return layers.SequenceModel(
+      num_outputs=12, vocab_size=12, features=8, num_blocks=3, block="mixer", norm="rms",
+      mlp="experts", layer=functools.partial(layers.Attention, num_heads=2), pooling="none",
+      experts=layers.Experts(num_experts=4, top_k=2, width=6, shared_width=4, shared_gate=True,
+                             balance_weight=0.01), **options)
+
+
+def test_a_model_of_experts_in_both_front_ends_scanned_or_not():
+  """linen unrolled == linen scanned == NNX, with the load-balancing losses sown per block and
+  none left from `init`."""
+  model, scanned = _model(), _model(scan_blocks=True)
+  x = jnp.asarray(np.random.default_rng(5).integers(0, 12, (2, 9)))
+  variables = model.init(jax.random.key(0), x)
+  assert set(variables) == {"params"}
+  y, sown = model.apply(variables, x, mutable=["aux_loss"])
+  losses = [block["mlp_experts"]["load_balancing"][0] for block in sown["aux_loss"].values()]
+  assert len(losses) == 3 and all(0.01 <= float(loss) <= 0.01 * 4 for loss in losses)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *(variables["params"][f"block_{i}"]
+                                                    for i in range(3)))
+  rest = {k: v for k, v in variables["params"].items() if not k.startswith("block_")}
+  y_scanned, sown_scanned = scanned.apply({"params": {**rest, "blocks": {"block": stacked}}}, x,
+                                          mutable=["aux_loss"])
+  np.testing.assert_allclose(y_scanned, y, rtol=1e-12)
+  np.testing.assert_allclose(jax.tree.leaves(sown_scanned)[0], losses, rtol=1e-12)
+  twin = snx.from_linen(model, variables)
+  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(twin, x), y)
+  again, values = snx.to_linen(twin)
+  np.testing.assert_array_equal(again.apply(values, x), y)
+
+
+def test_bfloat16_tracks_float32():
+  model = _model()
+  x = jnp.asarray(np.random.default_rng(6).integers(0, 12, (2, 9)))
+  with jax.enable_x64(False):
+    variables = model.init(jax.random.key(0), x)
+    want = model.apply(variables, x)
+    got = model.clone(dtype=jnp.bfloat16).apply(variables, x)
+  assert got.dtype == jnp.bfloat16
+  assert float(jnp.abs(got.astype(jnp.float32) - want).max() / jnp.abs(want).max()) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(top_k=5, num_experts=4), r"`top_k`=5 must be at most `num_experts`=4"),
+        (dict(groups=3), r"`groups`=3 must divide `num_experts`=8"),
+        (dict(groups=4, top_groups=1, top_k=3), r"`top_k`=3 must be at most the experts"),
+        (dict(scoring="relu"), r"`scoring` must be one of \('softmax', 'sigmoid'\)"),
+        (dict(shared_gate=True), r"`shared_gate` gates the shared experts: it needs"),
+        (dict(shared_width=-1), r"`shared_width` must be an int >= 0"),
+        (dict(width=0), r"`width` must be a positive int"),
+        (dict(routed_scale=0.0), r"`routed_scale` must be > 0"),
+    ],
+)
+def test_bad_experts_are_named(options, message):
+  with pytest.raises(ValueError, match=message):
+    layers.Experts(**options)
+
+
+def test_experts_and_their_mlp_kind_go_together():
+  x = jnp.zeros((1, 3), jnp.int32)
+  for model, message in [
+      (_model().clone(experts=None), r"`experts` is the mixture of `mlp='experts'`"),
+      (_model().clone(mlp="swiglu"), r"`experts` is the mixture of `mlp='experts'`"),
+      (_model().clone(experts="four"), r"`experts` must be an ssmkit.layers.Experts"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      model.init(jax.random.key(0), x)
+
+
+def test_a_train_step_descends_the_cross_entropy_plus_the_load_balancing_losses():
+  """With plain SGD at rate 1 the step's update is minus the gradient: that of the mean
+  cross-entropy plus every block's sown, weighted load-balancing loss."""
+  model = _model()
+  x = jnp.asarray(np.random.default_rng(7).integers(0, 12, (2, 9)))
+  batch = {"x": x, "y": jnp.roll(x, -1, axis=1)}
+  params = model.init(jax.random.key(0), x)["params"]
+  state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(1.0), batch_stats={})
+
+  def loss(params):
+    logits, sown = model.apply({"params": params}, x, mutable=["aux_loss"])
+    cross = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return cross + sum(jnp.sum(leaf) for leaf in jax.tree.leaves(sown))
+
+  stepped, _ = jax.jit(steps.train_step)(state, batch, jax.random.key(1))
+  moved = jax.tree.map(lambda a, b: a - b, params, stepped.params)
+  # float32 parameters: the update is read back to their rounding.
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6), moved,
+               jax.grad(loss)(params))
+  router = lambda p: p["block_0"]["mlp_experts"]["router"]
+  without = jax.grad(lambda p: loss(p) - sum(
+      jnp.sum(leaf) for leaf in jax.tree.leaves(model.apply({"params": p}, x,
+                                                            mutable=["aux_loss"])[1])))(params)
+  assert np.abs(router(moved) - router(without)).max() > 1e-4  # the balance term moved it
+
+
+def test_an_lm_config_with_experts_builds_and_names_bad_fields():
+  overrides = ["model.block=mixer", "model.mlp=experts", "model.features=8", "model.num_blocks=1",
+               "model.experts={num_experts: 4, top_k: 2, width: 8, balance_weight: 0.01}"]
+  config = train.load_config("lm_hybrid", overrides)
+  model = build_model(config.model, 16, 16)
+  assert model.experts == layers.Experts(num_experts=4, top_k=2, width=8, balance_weight=0.01)
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32))["params"]
+  labels = parameter_labels(params, list(config.model.layer))
+  assert labels["block_0"]["mlp_experts"]["router"] == "decay"
+  for bad, message in [("model.experts={top_k: 9}", r"`model.experts.top_k`=9 must be at most"),
+                       ("model.experts={many: 3}", r"`model.experts` must map fields of ssmkit"),
+                       ("model.experts=null", r"`model.experts` is the mixture of")]:
+    with pytest.raises(ConfigError, match=message):
+      build_model(train.load_config("lm_hybrid", [*overrides, bad]).model, 16, 16)
