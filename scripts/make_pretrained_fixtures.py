@@ -81,6 +81,11 @@ CONFIGS = {
         text_config=QWEN3_5_TEXT, tie_word_embeddings=False, vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
             patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)),
+    # Qwen3.5's language model with a mixture of 4 experts (top 2, renormalised) and a gated
+    # shared expert in every block, Gated DeltaNet's projections fused per key head.
+    "qwen3_next": transformers.Qwen3NextConfig(
+        **QWEN3_5_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, norm_topk_prob=True),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text model.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}

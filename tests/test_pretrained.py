@@ -30,7 +30,8 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "falcon_mamba": "FalconMambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                  "recurrent_gemma": "RecurrentGemmaForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM",
-                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+                 "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM"}
 # The fixtures whose own tensors and config a fine-tuned model saves back to.
@@ -127,7 +128,7 @@ def _edit_weights(folder, edit):
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
          r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, qwen3_5, "
-         r"qwen3_5_text, recurrent_gemma\)"),
+         r"qwen3_5_text, qwen3_next, recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
@@ -217,9 +218,16 @@ def _edit_text_config(folder, **changes):
          r"no place for: \['model.extra'\]"),
         ("qwen3_5", lambda f: _edit_config(f, architectures=["Qwen3_5ForCausalLM"]),
          r"contradicts `model_type` 'qwen3_5', whose model is a Qwen3_5ForConditionalGeneration"),
+        ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
+         r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
+        ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
+         r"`top_k`=5 must be at most `num_experts`=4"),
+        ("qwen3_next", lambda f: _edit_weights(
+            f, lambda t: t.pop("model.layers.2.mlp.experts.3.down_proj.weight")),
+         r"the weight 'model.layers.2.mlp.experts.3.down_proj.weight' is missing"),
     ],
 )
-def test_a_qwen3_5_checkpoint_that_does_not_fit_is_named(name, change, message, tmp_path):
+def test_a_qwen_checkpoint_that_does_not_fit_is_named(name, change, message, tmp_path):
   folder = _copy(tmp_path, name)
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):

@@ -11,7 +11,14 @@ from flax import traverse_util
 
 from ssmkit._src.layers.common import check_float_dtype
 from ssmkit._src.layers.model import SequenceModel
-from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, qwen3_5, recurrent_gemma
+from ssmkit._src.pretrained import (
+    falcon_mamba,
+    mamba,
+    mamba2,
+    qwen3_5,
+    qwen3_next,
+    recurrent_gemma,
+)
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
@@ -19,7 +26,7 @@ from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_
 # `model_type` that `transformers` reads to choose it: its own, and those of the larger
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
 ARCHITECTURES = {module.ARCHITECTURE: module
-                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5)}
+                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_next)}
 MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 
@@ -79,8 +86,8 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   Examples:
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
-    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'Qwen3_5ForCausalLM',
-     'RecurrentGemmaForCausalLM']
+    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'Qwen3NextForCausalLM',
+     'Qwen3_5ForCausalLM', 'RecurrentGemmaForCausalLM']
   """
   check_float_dtype(dtype, "dtype")
   directory = checkpoint_directory(path_or_repo_id)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ssmkit._src.layers.attention import Attention
+from ssmkit._src.layers.block import mlp_width
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.pretrained.config import Fields, Wrapper
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
@@ -111,12 +112,17 @@ def attention_options(fields: Fields) -> dict[str, Any]:
               use_bias=bool(fields.get("attention_bias", False)))
 
 
-def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
-  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+def params(tensors: Tensors, fields: Fields, model: Any, *, deltanet: Any = None,
+           mlp: Any = None) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors.
+
+  `deltanet(tensors, where, layer, features)` and `mlp(tensors, where, model)` read a Gated
+  DeltaNet's and a block MLP's (Qwen3-Next's differ); None: Qwen3.5's.
+  """
   del fields
+  deltanet, mlp = deltanet or deltanet_params, mlp or swiglu
   features, vocab = model.features, model.vocab_size
   norm = lambda name: {"RMSNormPlusOne_0": {"scale": tensors.take(name, (features,))}}
-  width = round(model.mlp_expansion * features)
   tree: dict[str, Any] = {
       "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
       "final_norm": norm("model.norm.weight"),
@@ -127,7 +133,7 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
     tree[f"block_{i}"] = {
         "norm": norm(f"{prefix}.input_layernorm.weight"),
         "mlp_norm": norm(f"{prefix}.post_attention_layernorm.weight"),
-        **swiglu(tensors, f"{prefix}.mlp", width, features),
+        **mlp(tensors, f"{prefix}.mlp", model),
         "mixer": (deltanet(tensors, f"{prefix}.linear_attn", layer, features)
                   if isinstance(layer, GatedDeltaNet)
                   else attention(tensors, f"{prefix}.self_attn", layer, features)),
@@ -135,18 +141,20 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   return {**tree, **head(tensors, model)}
 
 
-def swiglu(tensors: Tensors, where: str, width: int, features: int) -> dict[str, Any]:
+def swiglu(tensors: Tensors, where: str, model: Any) -> dict[str, Any]:
   """A mixer block's SwiGLU MLP from `gate_proj`, `up_proj`, `down_proj` without biases."""
+  features = model.features
+  width = mlp_width(features, model.mlp_expansion)
   take = lambda name, shape: {"kernel": tensors.take(f"{where}.{name}.weight", shape).T}
   return {"mlp_gate": take("gate_proj", (width, features)),
           "mlp_up": take("up_proj", (width, features)),
           "mlp_down": take("down_proj", (features, width))}
 
 
-def deltanet(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int) -> dict[str, Any]:
+def deltanet_params(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int
+                    ) -> dict[str, Any]:
   """A Gated DeltaNet's parameters from Qwen3.5's separate projections."""
-  heads, v_heads, k = layer.num_heads, layer.num_v_heads or layer.num_heads, layer.d_state
-  v = layer.expand_v * k
+  heads, v_heads, k, v = deltanet_sizes(layer)
   take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
   q_proj, k_proj, v_proj = np.split(
       take("in_proj_qkv.weight", (2 * heads * k + v_heads * v, features)).T,
@@ -155,23 +163,24 @@ def deltanet(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int) 
           "g_proj": take("in_proj_z.weight", (v_heads * v, features)).T,
           "b_proj": take("in_proj_b.weight", (v_heads, features)).T,
           "a_proj": take("in_proj_a.weight", (v_heads, features)).T,
-          **convolutions(take("conv1d.weight", (2 * heads * k + v_heads * v, 1, layer.d_conv)),
-                         heads * k),
-          **deltanet_decay_and_output(take, v_heads, v, features)}
+          **deltanet_shared(take, layer, features)}
 
 
-def convolutions(weight: np.ndarray, key_width: int) -> dict[str, np.ndarray]:
-  """ssmkit's `(d_conv, width)` kernels of q, k and v from the checkpoint's depthwise
-  convolution `(channels, 1, d_conv)` over [q | k | v]."""
-  q_conv, k_conv, v_conv = np.split(weight[:, 0, :].T, [key_width, 2 * key_width], axis=1)
-  return {"q_conv": q_conv, "k_conv": k_conv, "v_conv": v_conv}
+def deltanet_sizes(layer: GatedDeltaNet) -> tuple[int, int, int, int]:
+  """(key heads, value heads, K, V) of a Gated DeltaNet."""
+  v_heads = layer.num_v_heads or layer.num_heads
+  return layer.num_heads, v_heads, layer.d_state, layer.expand_v * layer.d_state
 
 
-def deltanet_decay_and_output(take: Any, v_heads: int, v: int, features: int
-                              ) -> dict[str, np.ndarray]:
-  """A Gated DeltaNet's decay parameters, output norm and projection (their names are the same in
-  Qwen3.5 and Qwen3-Next)."""
-  return {"A_log": take("A_log", (v_heads,)), "dt_bias": take("dt_bias", (v_heads,)),
+def deltanet_shared(take: Any, layer: GatedDeltaNet, features: int) -> dict[str, np.ndarray]:
+  """What Qwen3.5's and Qwen3-Next's Gated DeltaNets store alike: the depthwise convolution
+  `(channels, 1, d_conv)` over [q | k | v] (ssmkit's `(d_conv, width)` kernels), the decay's
+  parameters, the output norm and projection."""
+  heads, v_heads, k, v = deltanet_sizes(layer)
+  kernel = take("conv1d.weight", (2 * heads * k + v_heads * v, 1, layer.d_conv))[:, 0, :].T
+  q_conv, k_conv, v_conv = np.split(kernel, [heads * k, 2 * heads * k], axis=1)
+  return {"q_conv": q_conv, "k_conv": k_conv, "v_conv": v_conv,
+          "A_log": take("A_log", (v_heads,)), "dt_bias": take("dt_bias", (v_heads,)),
           "norm_scale": take("norm.weight", (v,)),
           "o_proj": take("out_proj.weight", (features, v_heads * v)).T}
 
@@ -197,13 +206,18 @@ def attention(tensors: Tensors, where: str, layer: Attention, features: int) -> 
   return tree
 
 
-def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
+def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any], *,
+               deltanet: Any = None, mlp: Any = None
                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """`(config.json fields, tensors)` of a pattern of Gated DeltaNet and gated attention blocks.
+
+  `deltanet(mixer, layer)` and `mlp(block)` name a Gated DeltaNet's and a block MLP's tensors
+  (their names inside `linear_attn.` and `mlp.`); None: Qwen3.5's.
 
   Raises:
     CheckpointError: naming the option that `transformers`' Qwen3.5 does not have.
   """
+  deltanet, mlp = deltanet or deltanet_tensors, mlp or swiglu_tensors
   features = model.features
   made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
   eps = FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps
@@ -213,7 +227,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     _expect(len({_settings(layer) for layer in group}) <= 1, f"{name} options",
             "the same in every such layer")
   fields = {"model_type": MODEL_TYPE, "hidden_size": features, "num_hidden_layers": model.num_blocks,
-            "intermediate_size": round(model.mlp_expansion * features), "hidden_act": "silu",
+            "intermediate_size": mlp_width(features, model.mlp_expansion), "hidden_act": "silu",
             "rms_norm_eps": eps, "tie_word_embeddings": model.tie_embeddings,
             "layer_types": [_KINDS[type(made[i % len(made)])] for i in range(model.num_blocks)]}
   if deltanets:
@@ -236,12 +250,16 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     tensors[f"{prefix}.input_layernorm.weight"] = block["norm"]["RMSNormPlusOne_0"]["scale"]
     tensors[f"{prefix}.post_attention_layernorm.weight"] = (
         block["mlp_norm"]["RMSNormPlusOne_0"]["scale"])
-    for name in ("gate", "up", "down"):
-      tensors[f"{prefix}.mlp.{name}_proj.weight"] = block[f"mlp_{name}"]["kernel"].T
-    place, named = (("linear_attn", deltanet_tensors(mixer)) if "A_log" in mixer
+    place, named = (("linear_attn", deltanet(mixer, made[i % len(made)])) if "A_log" in mixer
                     else ("self_attn", attention_tensors(mixer)))
-    tensors.update({f"{prefix}.{place}.{name}": value for name, value in named.items()})
+    for where, values in ((place, named), ("mlp", mlp(block))):
+      tensors.update({f"{prefix}.{where}.{name}": value for name, value in values.items()})
   return fields, tensors
+
+
+def swiglu_tensors(block: dict[str, Any]) -> dict[str, np.ndarray]:
+  """A block's SwiGLU MLP tensors."""
+  return {f"{name}_proj.weight": block[f"mlp_{name}"]["kernel"].T for name in ("gate", "up", "down")}
 
 
 def attention_fields(layer: Attention, features: int, eps: float) -> dict[str, Any]:
@@ -277,12 +295,19 @@ def _expect(holds: bool, option: str, what: str) -> None:
     raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
 
 
-def deltanet_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
-  """Qwen3.5's Gated DeltaNet tensors from ssmkit's parameters."""
+def deltanet_tensors(mixer: dict[str, Any], layer: GatedDeltaNet) -> dict[str, np.ndarray]:
+  """Qwen3.5's Gated DeltaNet tensors from ssmkit's parameters (of `layer`)."""
+  del layer  # the projections are apart, each of its own width
   return {
       "in_proj_qkv.weight": np.concatenate([mixer[f"{n}_proj"] for n in "qkv"], axis=1).T,
       "in_proj_z.weight": mixer["g_proj"].T, "in_proj_b.weight": mixer["b_proj"].T,
-      "in_proj_a.weight": mixer["a_proj"].T,
+      "in_proj_a.weight": mixer["a_proj"].T, **deltanet_shared_tensors(mixer),
+  }
+
+
+def deltanet_shared_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The tensors of `deltanet_shared`."""
+  return {
       "conv1d.weight": np.concatenate([mixer[f"{n}_conv"] for n in "qkv"], axis=1).T[:, None, :],
       "A_log": mixer["A_log"], "dt_bias": mixer["dt_bias"], "norm.weight": mixer["norm_scale"],
       "out_proj.weight": mixer["o_proj"].T,

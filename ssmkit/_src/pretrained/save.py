@@ -11,12 +11,19 @@ import jax
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
-from ssmkit._src.pretrained import falcon_mamba, mamba, mamba2, qwen3_5, recurrent_gemma
+from ssmkit._src.pretrained import (
+    falcon_mamba,
+    mamba,
+    mamba2,
+    qwen3_5,
+    qwen3_next,
+    recurrent_gemma,
+)
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5)
+WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_next)
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
