@@ -41,6 +41,9 @@ QWEN3_5_TEXT = dict(
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
     linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
     bos_token_id=1, eos_token_id=2)
+QWEN3_5_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                      out_hidden_size=32, patch_size=2, spatial_merge_size=1,
+                      temporal_patch_size=1, num_position_embeddings=16)
 
 CONFIGS = {
     "mamba": transformers.MambaConfig(
@@ -78,17 +81,22 @@ CONFIGS = {
     # The same language model inside Qwen3.5's image-text checkpoint (`model.language_model.*`
     # beside a vision tower ssmkit leaves out).
     "qwen3_5": transformers.Qwen3_5Config(
-        text_config=QWEN3_5_TEXT, tie_word_embeddings=False, vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
-            patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)),
+        text_config=QWEN3_5_TEXT, tie_word_embeddings=False, vision_config=QWEN3_5_VISION),
     # Qwen3.5's language model with a mixture of 4 experts (top 2, renormalised) and a gated
     # shared expert in every block, Gated DeltaNet's projections fused per key head.
     "qwen3_next": transformers.Qwen3NextConfig(
         **QWEN3_5_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=24, norm_topk_prob=True),
+    # Qwen3.5's mixture of experts, as published: inside an image-text checkpoint.
+    "qwen3_5_moe": transformers.Qwen3_5MoeConfig(
+        text_config={**{k: v for k, v in QWEN3_5_TEXT.items() if k != "intermediate_size"},
+                     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                     "shared_expert_intermediate_size": 24},
+        tie_word_embeddings=False, vision_config=QWEN3_5_VISION),
 }
-# The classes that `AutoModelForCausalLM` does not choose for a config: the image-text model.
-MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}
+# The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
+MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+          "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}
 
 
 def _noisy(model: torch.nn.Module, seed: int) -> None:

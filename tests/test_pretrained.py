@@ -5,6 +5,7 @@ The fixtures in tests/fixtures/pretrained were made by `transformers` itself
 float32 logits and greedy continuations. The suite never imports torch.
 """
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -31,9 +32,11 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "recurrent_gemma": "RecurrentGemmaForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM",
                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                 "qwen3_next": "Qwen3NextForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
-SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM"}
+SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
+            "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 # The fixtures whose own tensors and config a fine-tuned model saves back to.
 SAVED_BACK = [name for name in ARCHITECTURES if SAVED_AS[name] == ARCHITECTURES[name]]
 
@@ -128,7 +131,7 @@ def _edit_weights(folder, edit):
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
          r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, qwen3_5, "
-         r"qwen3_5_text, qwen3_next, recurrent_gemma\)"),
+         r"qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
@@ -277,10 +280,12 @@ def _scanned(model, variables):
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
+  """As its source's architecture (Qwen3-Next's and Qwen3.5-MoE's models are the same ssmkit
+  model)."""
   model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
-  ssmkit.pretrained.save(model, variables, tmp_path / "linen")
+  ssmkit.pretrained.save(model, variables, tmp_path / "linen", source=FIXTURES / name)
   twin, _, _ = ssmkit.pretrained.load(FIXTURES / name, nnx=True)
-  ssmkit.pretrained.save(twin, None, tmp_path / "nnx")
+  ssmkit.pretrained.save(twin, None, tmp_path / "nnx", architecture=SAVED_AS[name])
   for folder in ("linen", "nnx"):
     _, again, written = ssmkit.pretrained.load(tmp_path / folder)
     jax.tree.map(np.testing.assert_array_equal, again, variables)
@@ -289,7 +294,8 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
     assert all(written[key] == own[key] for key in written
                if key in own and key not in ("dtype", "architectures"))
   # Blocks under nn.scan are saved one by one.
-  ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned")
+  ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned",
+                         architecture=SAVED_AS[name])
   jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "scanned")[1],
                variables)
 
@@ -318,6 +324,18 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
   for bad, values, message in cases:
     with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
       ssmkit.pretrained.save(bad, values, tmp_path / "out")
+  # Qwen3-Next's models are Qwen3.5-MoE's too: `architecture` (or the source) chooses.
+  moe, experts, _ = ssmkit.pretrained.load(FIXTURES / "qwen3_next")
+  for architecture in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+    ssmkit.pretrained.save(moe, experts, tmp_path / architecture, architecture=architecture)
+    assert ssmkit.pretrained.load(tmp_path / architecture)[2]["architectures"] == [architecture]
+  with pytest.raises(ssmkit.pretrained.CheckpointError,
+                     match=r"`architecture` 'MambaForCausalLM' does not express `model`"):
+    ssmkit.pretrained.save(moe, experts, tmp_path / "out", architecture="MambaForCausalLM")
+  with pytest.raises(ssmkit.pretrained.CheckpointError,
+                     match=r"a Qwen3_5MoeForCausalLM routes by softmax without scaling"):
+    ssmkit.pretrained.save(moe.clone(experts=dataclasses.replace(moe.experts, routed_scale=2.0)),
+                           experts, tmp_path / "out")
 
 
 def _transformers():
@@ -337,7 +355,7 @@ def test_transformers_loads_what_save_writes(name, tmp_path):
   import transformers
 
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / name)
-  ssmkit.pretrained.save(model, variables, tmp_path)
+  ssmkit.pretrained.save(model, variables, tmp_path, source=FIXTURES / name)
   loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
   assert type(loaded).__name__ == SAVED_AS[name]
   expected = _expected(name)

@@ -16,6 +16,7 @@ from ssmkit._src.pretrained import (
     mamba,
     mamba2,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_next,
     recurrent_gemma,
 )
@@ -26,7 +27,8 @@ from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_
 # `model_type` that `transformers` reads to choose it: its own, and those of the larger
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
 ARCHITECTURES = {module.ARCHITECTURE: module
-                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_next)}
+                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe,
+                               qwen3_next)}
 MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 

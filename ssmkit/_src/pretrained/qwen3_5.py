@@ -63,6 +63,18 @@ def options(fields: Fields) -> dict[str, Any]:
   Raises:
     CheckpointError: naming a field whose value ssmkit cannot compute exactly.
   """
+  features = fields.int("hidden_size")
+  return {**pattern_options(fields), "mlp": "swiglu",
+          "mlp_expansion": fields.int("intermediate_size") / features}
+
+
+def pattern_options(fields: Fields) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of Qwen3.5's family but its MLP: the pattern of Gated
+  DeltaNet and gated attention, the norms, the embedding and head.
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit cannot compute exactly.
+  """
   fields.require("hidden_act", "silu")
   features, blocks = fields.int("hidden_size"), fields.int("num_hidden_layers")
   eps = fields.float("rms_norm_eps", 1e-6)
@@ -84,8 +96,7 @@ def options(fields: Fields) -> dict[str, Any]:
   vocab = fields.int("vocab_size")
   return dict(num_outputs=vocab, vocab_size=vocab, features=features, num_blocks=blocks,
               layer=tuple(layers[kind] for kind in kinds), pooling="none", block="mixer",
-              norm="rms_plus_one", norm_eps=eps, mlp="swiglu",
-              mlp_expansion=fields.int("intermediate_size") / features,
+              norm="rms_plus_one", norm_eps=eps,
               tie_embeddings=bool(fields.get("tie_word_embeddings", False)), decoder_bias=False)
 
 

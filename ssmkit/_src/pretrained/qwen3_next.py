@@ -51,17 +51,27 @@ def options(fields: Fields) -> dict[str, Any]:
     raise CheckpointError(f"{fields.source}: `decoder_sparse_step`={sparse!r} and `mlp_only_layers`="
                           f"{dense!r} give blocks without experts; ssmkit loads Qwen3-Next with "
                           "experts in every block (decoder_sparse_step 1, mlp_only_layers []).")
+  return {**qwen3_5.options(fields), **experts_options(fields, fields.get("norm_topk_prob", True))}
+
+
+def experts_options(fields: Fields, normalize: bool) -> dict[str, Any]:
+  """The `SequenceModel` keyword arguments of the mixture of Qwen3-Next and Qwen3.5-MoE: a
+  softmax router, `normalize` its top k, and a gated shared expert.
+
+  Raises:
+    CheckpointError: naming the field whose value the mixture cannot take.
+  """
   weight = fields.get("router_aux_loss_coef", 0.001)
   try:
     experts = Experts(
         num_experts=fields.int("num_experts"), top_k=fields.int("num_experts_per_tok"),
         width=fields.int("moe_intermediate_size"),
         shared_width=fields.int("shared_expert_intermediate_size"), shared_gate=True,
-        normalize=bool(fields.get("norm_topk_prob", True)),
+        normalize=bool(normalize),
         balance_weight=float(weight) if fields.get("output_router_logits", False) else 0.0)
   except ValueError as error:
     raise CheckpointError(f"{fields.source} gives experts ssmkit cannot build: {error}") from None
-  return {**qwen3_5.options(fields), "mlp": "experts", "experts": experts}
+  return {"mlp": "experts", "experts": experts}
 
 
 def deltanet_params(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int
@@ -108,18 +118,32 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
   Raises:
     CheckpointError: naming the option that `transformers`' Qwen3-Next does not have.
   """
+  fields, tensors = experts_checkpoint(model, blocks, params, ARCHITECTURE, deltanet_tensors)
+  fields.update(model_type=MODEL_TYPE, norm_topk_prob=model.experts.normalize,
+                decoder_sparse_step=1, mlp_only_layers=[])
+  return fields, tensors
+
+
+def experts_checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
+                       architecture: str, deltanet: Any
+                       ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """`(config.json fields, tensors)` of Qwen3-Next's or Qwen3.5-MoE's (`architecture`) pattern,
+  its Gated DeltaNets' tensors named by `deltanet(mixer, layer)`.
+
+  Raises:
+    CheckpointError: naming the mixture's option that the architecture does not have.
+  """
   config = model.experts
   if (config.scoring, config.routed_scale, config.score_bias, config.groups) != (
       "softmax", 1.0, False, 1) or not config.shared_width or not config.shared_gate:
-    raise CheckpointError(f"`model.experts`={config!r}: a {ARCHITECTURE} routes by softmax without "
+    raise CheckpointError(f"`model.experts`={config!r}: a {architecture} routes by softmax without "
                           "scaling, bias or groups, beside a gated shared expert (shared_width > "
                           "0, shared_gate=True).")
-  fields, tensors = qwen3_5.checkpoint(model, blocks, params, deltanet=deltanet_tensors,
+  fields, tensors = qwen3_5.checkpoint(model, blocks, params, deltanet=deltanet,
                                        mlp=experts_tensors)
-  fields.update(model_type=MODEL_TYPE, num_experts=config.num_experts,
-                num_experts_per_tok=config.top_k, moe_intermediate_size=config.width,
+  fields.update(num_experts=config.num_experts, num_experts_per_tok=config.top_k,
+                moe_intermediate_size=config.width,
                 shared_expert_intermediate_size=config.shared_width,
-                norm_topk_prob=config.normalize, decoder_sparse_step=1, mlp_only_layers=[],
                 router_aux_loss_coef=config.balance_weight or 0.001,
                 output_router_logits=bool(config.balance_weight))
   return fields, tensors

@@ -16,14 +16,15 @@ from ssmkit._src.pretrained import (
     mamba,
     mamba2,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_next,
     recurrent_gemma,
 )
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
-from ssmkit._src.pretrained.load import checkpoint_directory
+from ssmkit._src.pretrained.load import MODEL_TYPES, checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_next)
+WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next)
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -33,7 +34,8 @@ CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
-         source: str | pathlib.Path | None = None) -> pathlib.Path:
+         source: str | pathlib.Path | None = None, architecture: str | None = None
+         ) -> pathlib.Path:
   """Writes `model` as `config.json` and `model.safetensors` that `transformers` loads as the
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
@@ -43,28 +45,36 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
       (`Mamba2ForCausalLM`) with `block="mixer"`, `norm="rms"`, `mlp="none"`; or a pattern of
       `RGLRU` and `Attention` blocks with GeGLU MLPs, as `ssmkit.pretrained.load` builds a
       `RecurrentGemmaForCausalLM`, or of `GatedDeltaNet` and gated `Attention` blocks with
-      SwiGLU MLPs and (1 + w) norms, as it builds a `Qwen3_5ForCausalLM`; token inputs and
-      outputs, blocks unrolled or scanned. Or
-      its NNX twin (then `variables` is ignored).
+      SwiGLU MLPs and (1 + w) norms, as it builds a `Qwen3_5ForCausalLM` (with a mixture of
+      experts: `Qwen3NextForCausalLM` or `Qwen3_5MoeForCausalLM`); token inputs and outputs,
+      blocks unrolled or scanned. Or its NNX twin (then `variables` is ignored).
     variables: the linen model's variables (`{"params": ...}`), e.g. of a trained `lm` run.
     directory: the folder to write; created if needed.
     source: where the model came from, whose tokenizer goes with it: a checkpoint folder or hub
       id (its `CARRIED_FILES` that exist are copied, e.g. `tokenizer.json` and
       `generation_config.json`, and its config.json's special token ids written), or a
       `tokenizer.json` file. `ssmkit export` passes a fine-tuning run's `model.pretrained`.
+      Where more than one architecture expresses the model, the source's own is written.
+    architecture: the architecture to write (an `ARCHITECTURES` name) where more than one
+      expresses the model; None: the source's, else the first of `WRITTEN`.
 
   Returns:
     The directory.
 
   Raises:
     CheckpointError: naming the model option that no architecture expresses (another layer,
-      an MLP where the architecture has none, a decoder bias that is not zero...).
+      an MLP where the architecture has none, a decoder bias that is not zero...), or an
+      `architecture` that does not express it.
   """
   if not isinstance(model, SequenceModel):
     from ssmkit._src.nnx.convert import to_linen
 
     model, variables = to_linen(model)
-  architecture = _architecture(model)
+  chosen = _architecture(model, architecture or _source_architecture(source))
+  if architecture is not None and architecture != chosen.ARCHITECTURE:
+    raise CheckpointError(f"`architecture` {architecture!r} does not express `model`, which saves "
+                          f"as a {chosen.ARCHITECTURE}.")
+  architecture = chosen
   params = jax.tree.map(lambda v: np.asarray(v, np.float32), variables["params"])
   fields, tensors = architecture.checkpoint(model, _blocks(model, params), params)
   config = {"architectures": [architecture.ARCHITECTURE], **fields,
@@ -81,8 +91,22 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   return folder
 
 
-def _architecture(model: SequenceModel) -> Any:
-  """The architecture module of `model`, checked to express it exactly."""
+def _source_architecture(source: str | pathlib.Path | None) -> str | None:
+  """The architecture a source checkpoint folder's config.json names by its `model_type`."""
+  path = None if source is None else pathlib.Path(source).expanduser()
+  if path is None or not (path / CONFIG).is_file():
+    return None
+  module = MODEL_TYPES.get(read_config(path).get("model_type"))
+  return None if module is None else module.ARCHITECTURE
+
+
+def _architecture(model: SequenceModel, preferred: str | None) -> Any:
+  """The architecture module of `model`, checked to express it exactly: `preferred` (an
+  architecture name) among those that do, where it is one.
+
+  Raises:
+    CheckpointError: naming the option that the architecture does not have.
+  """
   kinds = {type(make()) for make in layer_pattern(model.layer)}
   found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and a.fits(model) and (
       len(a.LAYERS) > 1 or not isinstance(model.layer, tuple))]
@@ -92,7 +116,7 @@ def _architecture(model: SequenceModel) -> Any:
                           "(Mamba, Falcon-Mamba, Mamba2, RGLRU and Attention as RecurrentGemma, "
                           "GatedDeltaNet and Attention as Qwen3.5).")
   exact = [a for a in found if all(getattr(model, k) == v for k, v in a.REQUIRED.items())]
-  architecture = (exact or found)[0]
+  architecture = next((a for a in exact if preferred == a.ARCHITECTURE), (exact or found)[0])
   for name, value in architecture.REQUIRED.items():
     if getattr(model, name) != value:
       raise CheckpointError(f"`model.{name}`={getattr(model, name)!r}: a "
