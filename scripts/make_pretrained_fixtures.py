@@ -93,6 +93,13 @@ CONFIGS = {
                      "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                      "shared_expert_intermediate_size": 24},
         tie_word_embeddings=False, vision_config=QWEN3_5_VISION),
+    # Mamba-2 (two groups), attention (half rotary, grouped), Mamba-2, each with a SwiGLU MLP.
+    "bamba": transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

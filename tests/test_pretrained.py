@@ -33,7 +33,8 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM",
                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_next": "Qwen3NextForCausalLM",
-                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                 "bamba": "BambaForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -130,7 +131,7 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, model_type="mamba2"),
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
-         r"`model_type` 'llama' is not one ssmkit loads \(falcon_mamba, mamba, mamba2, qwen3_5, "
+         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, mamba, mamba2, qwen3_5, "
          r"qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
@@ -221,6 +222,14 @@ def _edit_text_config(folder, **changes):
          r"no place for: \['model.extra'\]"),
         ("qwen3_5", lambda f: _edit_config(f, architectures=["Qwen3_5ForCausalLM"]),
          r"contradicts `model_type` 'qwen3_5', whose model is a Qwen3_5ForConditionalGeneration"),
+        ("bamba", lambda f: _edit_config(f, mamba_d_head=12),
+         r"`mamba_n_heads` x `mamba_d_head` = 48 must be `mamba_expand` x `hidden_size` = 64"),
+        ("bamba", lambda f: _edit_config(f, mamba_proj_bias=True),
+         r"`mamba_proj_bias`=True is not supported"),
+        ("bamba", lambda f: _edit_config(f, attn_layer_indices=[3]),
+         r"`attn_layer_indices` must list layers of the 3, got \[3\]"),
+        ("bamba", lambda f: _edit_config(f, time_step_limit=[0.0]),
+         r"`time_step_limit` must be \[low, high\], got \[0.0\]"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -230,7 +239,7 @@ def _edit_text_config(folder, **changes):
          r"the weight 'model.layers.2.mlp.experts.3.down_proj.weight' is missing"),
     ],
 )
-def test_a_qwen_checkpoint_that_does_not_fit_is_named(name, change, message, tmp_path):
+def test_a_hybrid_checkpoint_that_does_not_fit_is_named(name, change, message, tmp_path):
   folder = _copy(tmp_path, name)
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
@@ -303,11 +312,13 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
 def test_save_names_what_no_architecture_expresses(tmp_path):
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba2")
   cases = [
-      (model.clone(mlp="swiglu"), variables,
-       r"`model.mlp`='swiglu': a Mamba2ForCausalLM has mlp='none'"),
+      # (with SwiGLU MLPs it would be a Bamba)
+      (model.clone(mlp="gelu"), variables,
+       r"`model.mlp`='gelu': a Mamba2ForCausalLM has mlp='none'"),
       (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture"),
+      # A pattern of Mamba-2 layers is a Bamba's, which has MLPs.
       (model.clone(layer=(model.layer, model.layer)), variables,
-       r"its layers \(Mamba2\) make no architecture"),
+       r"`model.mlp`='none': a BambaForCausalLM has mlp='swiglu'"),
       (model.clone(decoder_bias=True),
        {"params": {**variables["params"], "decoder": {**variables["params"]["decoder"],
                                                        "bias": np.ones(96, np.float32)}}},

@@ -12,6 +12,7 @@ from flax import traverse_util
 from ssmkit._src.layers.common import check_float_dtype
 from ssmkit._src.layers.model import SequenceModel
 from ssmkit._src.pretrained import (
+    bamba,
     falcon_mamba,
     mamba,
     mamba2,
@@ -28,7 +29,7 @@ from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
 ARCHITECTURES = {module.ARCHITECTURE: module
                  for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe,
-                               qwen3_next)}
+                               qwen3_next, bamba)}
 MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 
@@ -88,8 +89,9 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   Examples:
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
-    ['FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'Qwen3NextForCausalLM',
-     'Qwen3_5ForCausalLM', 'RecurrentGemmaForCausalLM']
+    ['BambaForCausalLM', 'FalconMambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM',
+     'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM',
+     'RecurrentGemmaForCausalLM']
   """
   check_float_dtype(dtype, "dtype")
   directory = checkpoint_directory(path_or_repo_id)

@@ -46,15 +46,13 @@ def options(fields: Fields) -> dict[str, Any]:
   if heads * head_dim != expand * features:
     raise CheckpointError(f"{fields.source}: `num_heads` x `head_dim` = {heads * head_dim} must be "
                           f"`expand` x `hidden_size` = {expand * features}.")
-  limit = fields.get("time_step_limit", (0.0, math.inf))
-  if not isinstance(limit, list | tuple) or len(limit) != 2:
-    raise CheckpointError(f"{fields.source}: `time_step_limit` must be [low, high], got {limit!r}.")
   eps = fields.float("layer_norm_epsilon", 1e-5)
   layer = functools.partial(Mamba2, d_state=fields.int("state_size", 128),
                             d_conv=fields.int("conv_kernel", 4),
                             use_conv_bias=bool(fields.get("use_conv_bias", True)),
                             expand=expand, head_dim=head_dim,
-                            n_groups=fields.int("n_groups", 1), dt_limit=tuple(map(float, limit)),
+                            n_groups=fields.int("n_groups", 1),
+                            dt_limit=step_limit(fields, "time_step_limit"),
                             norm_eps=eps, norm_per_group=True)
   vocab = fields.int("vocab_size")
   return dict(num_outputs=vocab, vocab_size=vocab, features=features,
@@ -63,31 +61,56 @@ def options(fields: Fields) -> dict[str, Any]:
               tie_embeddings=fields.get("tie_word_embeddings", False), decoder_bias=False)
 
 
+def step_limit(fields: Fields, name: str) -> tuple[float, float]:
+  """The step size's clip `[low, high]` of the field `name` (default no clip), its infinities
+  written as `transformers` writes them ({"__float__": "Infinity"}) or as JSON's `Infinity`.
+
+  Raises:
+    CheckpointError: naming the field when it is not two numbers.
+  """
+  limit = fields.get(name, (0.0, math.inf))
+  decoded = [float(v["__float__"]) if isinstance(v, dict) and set(v) == {"__float__"} else v
+             for v in limit] if isinstance(limit, list | tuple) else None
+  if decoded is None or len(decoded) != 2 or not all(
+      isinstance(v, int | float) and not isinstance(v, bool) for v in decoded):
+    raise CheckpointError(f"{fields.source}: `{name}` must be [low, high], got {limit!r}.")
+  return float(decoded[0]), float(decoded[1])
+
+
+def written_limit(limit: tuple[float, float]) -> list[Any]:
+  """A step size's clip as config.json holds it: infinities as `transformers` writes them
+  ({"__float__": "Infinity"}), so that the file is strict JSON."""
+  return [value if math.isfinite(value) else {"__float__": str(value).replace("inf", "Infinity")}
+          for value in map(float, limit)]
+
+
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   features, layer = model.features, model.layer()
-  inner = layer.expand * features
-  heads, bc, k = inner // layer.head_dim, 2 * layer.n_groups * layer.d_state, layer.d_conv
   tree: dict[str, Any] = {}
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
-    mixer = f"{prefix}.mixer"
     tree[f"block_{i}"] = {
         "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
-        "mixer": {
-            "in_proj": tensors.take(f"{mixer}.in_proj.weight",
-                                    (2 * inner + bc + heads, features)).T,
-            "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
-            "dt_bias": tensors.take(f"{mixer}.dt_bias", (heads,)),
-            "A_log": tensors.take(f"{mixer}.A_log", (heads,)),
-            "D": tensors.take(f"{mixer}.D", (heads,)),
-            "norm_scale": tensors.take(f"{mixer}.norm.weight", (inner,)),
-            "out_proj": tensors.take(f"{mixer}.out_proj.weight", (features, inner)).T,
-        },
+        "mixer": mixer_params(tensors, f"{prefix}.mixer", layer, features),
     }
-    if layer.use_conv_bias:
-      tree[f"block_{i}"]["mixer"]["conv_bias"] = tensors.take(f"{mixer}.conv1d.bias", (inner + bc,))
   return {**tree, **embedding_and_head(tensors, model)}
+
+
+def mixer_params(tensors: Tensors, where: str, layer: Mamba2, features: int) -> dict[str, Any]:
+  """A Mamba-2 mixer's parameters from `transformers`' tensors under `where` (Mamba-2's, and
+  those of the hybrids built on it)."""
+  inner = layer.expand * features
+  heads, bc, k = inner // layer.head_dim, 2 * layer.n_groups * layer.d_state, layer.d_conv
+  take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
+  mixer = {"in_proj": take("in_proj.weight", (2 * inner + bc + heads, features)).T,
+           "conv_kernel": take("conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
+           "dt_bias": take("dt_bias", (heads,)), "A_log": take("A_log", (heads,)),
+           "D": take("D", (heads,)), "norm_scale": take("norm.weight", (inner,)),
+           "out_proj": take("out_proj.weight", (features, inner)).T}
+  if layer.use_conv_bias:
+    mixer["conv_bias"] = take("conv1d.bias", (inner + bc,))
+  return mixer
 
 
 def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
@@ -109,11 +132,11 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "
                           "(norm_per_group=True) to be a transformers Mamba2ForCausalLM.")
   inner = layer.expand * model.features
-  low, high = layer.dt_limit
   return {"model_type": "mamba2", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
-          "n_groups": layer.n_groups, "conv_kernel": layer.d_conv, "time_step_limit": [low, high],
+          "n_groups": layer.n_groups, "conv_kernel": layer.d_conv,
+          "time_step_limit": written_limit(layer.dt_limit),
           "use_bias": False, "use_conv_bias": layer.use_conv_bias, "hidden_act": "silu",
           "residual_in_fp32": True, **fields}, {
               **_block_tensors(blocks), **mamba.head_tensors(model, params)}
@@ -123,17 +146,19 @@ def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
   """The checkpoint's block tensors from ssmkit's parameters of each block."""
   tensors = {}
   for i, block in enumerate(blocks):
-    prefix, mixer = f"backbone.layers.{i}", block["mixer"]
-    tensors.update({
-        f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
-        f"{prefix}.mixer.in_proj.weight": mixer["in_proj"].T,
-        f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
-        f"{prefix}.mixer.dt_bias": mixer["dt_bias"],
-        f"{prefix}.mixer.A_log": mixer["A_log"],
-        f"{prefix}.mixer.D": mixer["D"],
-        f"{prefix}.mixer.norm.weight": mixer["norm_scale"],
-        f"{prefix}.mixer.out_proj.weight": mixer["out_proj"].T,
-    })
-    if "conv_bias" in mixer:
-      tensors[f"{prefix}.mixer.conv1d.bias"] = mixer["conv_bias"]
+    prefix = f"backbone.layers.{i}"
+    tensors[f"{prefix}.norm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
+    tensors.update({f"{prefix}.mixer.{name}": value
+                    for name, value in mixer_tensors(block["mixer"]).items()})
+  return tensors
+
+
+def mixer_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """A Mamba-2 mixer's tensors by `transformers`' names (inside its mixer's scope)."""
+  tensors = {"in_proj.weight": mixer["in_proj"].T,
+             "conv1d.weight": mixer["conv_kernel"].T[:, None, :], "dt_bias": mixer["dt_bias"],
+             "A_log": mixer["A_log"], "D": mixer["D"], "norm.weight": mixer["norm_scale"],
+             "out_proj.weight": mixer["out_proj"].T}
+  if "conv_bias" in mixer:
+    tensors["conv1d.bias"] = mixer["conv_bias"]
   return tensors

@@ -31,6 +31,7 @@ import numpy as np
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import mlp_width
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
+from ssmkit._src.pretrained import parts
 from ssmkit._src.pretrained.config import Fields, Wrapper
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 from ssmkit._src.pretrained.mamba import FLAX_RMS_EPS, head
@@ -153,13 +154,9 @@ def params(tensors: Tensors, fields: Fields, model: Any, *, deltanet: Any = None
 
 
 def swiglu(tensors: Tensors, where: str, model: Any) -> dict[str, Any]:
-  """A mixer block's SwiGLU MLP from `gate_proj`, `up_proj`, `down_proj` without biases."""
-  features = model.features
-  width = mlp_width(features, model.mlp_expansion)
-  take = lambda name, shape: {"kernel": tensors.take(f"{where}.{name}.weight", shape).T}
-  return {"mlp_gate": take("gate_proj", (width, features)),
-          "mlp_up": take("up_proj", (width, features)),
-          "mlp_down": take("down_proj", (features, width))}
+  """A block's SwiGLU MLP without biases."""
+  return parts.swiglu_params(tensors, where, mlp_width(model.features, model.mlp_expansion),
+                             model.features)
 
 
 def deltanet_params(tensors: Tensors, where: str, layer: GatedDeltaNet, features: int
@@ -228,7 +225,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
   Raises:
     CheckpointError: naming the option that `transformers`' Qwen3.5 does not have.
   """
-  deltanet, mlp = deltanet or deltanet_tensors, mlp or swiglu_tensors
+  deltanet, mlp = deltanet or deltanet_tensors, mlp or parts.swiglu_tensors
   features = model.features
   made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
   eps = FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps
@@ -266,11 +263,6 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
     for where, values in ((place, named), ("mlp", mlp(block))):
       tensors.update({f"{prefix}.{where}.{name}": value for name, value in values.items()})
   return fields, tensors
-
-
-def swiglu_tensors(block: dict[str, Any]) -> dict[str, np.ndarray]:
-  """A block's SwiGLU MLP tensors."""
-  return {f"{name}_proj.weight": block[f"mlp_{name}"]["kernel"].T for name in ("gate", "up", "down")}
 
 
 def attention_fields(layer: Attention, features: int, eps: float) -> dict[str, Any]:

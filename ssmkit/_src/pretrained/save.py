@@ -12,6 +12,7 @@ import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
 from ssmkit._src.pretrained import (
+    bamba,
     falcon_mamba,
     mamba,
     mamba2,
@@ -24,7 +25,8 @@ from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_c
 from ssmkit._src.pretrained.load import MODEL_TYPES, checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next)
+WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next,
+           bamba)
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
