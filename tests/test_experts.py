@@ -1,6 +1,7 @@
 """The mixture of experts against a float64 NumPy loop over tokens, and against a dense JAX form
 (every expert on every token, weighted by the chosen weights) for gradients."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,11 +22,11 @@ CONFIGS = {
     # Qwen3-Next's: softmax, renormalised top-k, a shared expert behind a sigmoid gate.
     "softmax-shared-gate": layers.Experts(num_experts=4, top_k=2, width=6, shared_width=5,
                                           shared_gate=True),
-    # DeepSeek-V3's and Kimi Linear's: sigmoid scores, a score bias for the choice, grouped
-    # choice, routed scaling.
-    "sigmoid-grouped-bias": layers.Experts(num_experts=8, top_k=3, width=4, scoring="sigmoid",
-                                           score_bias=True, groups=4, top_groups=2,
-                                           routed_scale=2.5),
+    # Nemotron-H's (DeepSeek-V3's with SwiGLU experts): sigmoid scores, a score bias for the
+    # choice, grouped choice, routed scaling; squared-ReLU experts and shared expert.
+    "sigmoid-grouped-bias-relu2": layers.Experts(
+        num_experts=8, top_k=3, width=4, scoring="sigmoid", score_bias=True, groups=4,
+        top_groups=2, routed_scale=2.5, shared_width=3, activation="relu2"),
     # Jamba's: softmax top-k without renormalisation, no shared expert.
     "softmax-plain": layers.Experts(num_experts=5, top_k=1, width=3, normalize=False),
 }
@@ -37,9 +38,11 @@ def _params(config, features, seed=0):
   return {name: rng.normal(size=spec.shape) for name, spec in specs.items()}
 
 
-def _swiglu(x, gate, up, down):
-  g = x @ gate
-  return (g / (1 + np.exp(-g)) * (x @ up)) @ down
+def _mlp(config, x, p, prefix=""):
+  if config.activation == "relu2":
+    return np.maximum(x @ p[f"{prefix}up"], 0) ** 2 @ p[f"{prefix}down"]
+  g = x @ p[f"{prefix}gate"]
+  return (g / (1 + np.exp(-g)) * (x @ p[f"{prefix}up"])) @ p[f"{prefix}down"]
 
 
 def _reference(config, p, x):
@@ -64,11 +67,12 @@ def _reference(config, p, x):
       weights = weights / weights.sum()
     weights = weights * config.routed_scale
     for e, w in zip(chosen, weights, strict=True):
-      y[n] += w * _swiglu(token, p["gate"][e], p["up"][e], p["down"][e])
+      y[n] += w * _mlp(config, token, {name: p[name][e] for name in ("gate", "up", "down")
+                                       if name in p})
       counts[e] += 1
     mean += scores
     if config.shared_width:
-      shared = _swiglu(token, p["shared_gate"], p["shared_up"], p["shared_down"])
+      shared = _mlp(config, token, p, "shared_")
       if config.shared_gate:
         shared = shared / (1 + np.exp(-(token @ p["shared_router"])))
       y[n] += shared
@@ -93,12 +97,17 @@ def _dense(config, params, x):
   weights, chosen, _ = moe.route(config, params, x)
   dense = jnp.zeros((x.shape[0], config.num_experts), x.dtype).at[
       jnp.arange(x.shape[0])[:, None], chosen].set(weights.astype(x.dtype))
-  silu = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, params["gate"]))
-  out = jnp.einsum("nei,eih->neh", silu * jnp.einsum("nh,ehi->nei", x, params["up"]),
-                   params["down"])
-  y = jnp.einsum("ne,neh->nh", dense, out)
+  up = jnp.einsum("nh,ehi->nei", x, params["up"])
+  if config.activation == "relu2":
+    hidden = jnp.square(jax.nn.relu(up))
+  else:
+    hidden = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, params["gate"])) * up
+  y = jnp.einsum("ne,neh->nh", dense, jnp.einsum("nei,eih->neh", hidden, params["down"]))
   if config.shared_width:
-    shared = (jax.nn.silu(x @ params["shared_gate"]) * (x @ params["shared_up"])) @ params["shared_down"]
+    up = x @ params["shared_up"]
+    hidden = (jnp.square(jax.nn.relu(up)) if config.activation == "relu2"
+              else jax.nn.silu(x @ params["shared_gate"]) * up)
+    shared = hidden @ params["shared_down"]
     if config.shared_gate:
       shared = shared * jax.nn.sigmoid(x @ params["shared_router"])
     y = y + shared
@@ -180,6 +189,7 @@ def test_bfloat16_tracks_float32():
         (dict(groups=3), r"`groups`=3 must divide `num_experts`=8"),
         (dict(groups=4, top_groups=1, top_k=3), r"`top_k`=3 must be at most the experts"),
         (dict(scoring="relu"), r"`scoring` must be one of \('softmax', 'sigmoid'\)"),
+        (dict(activation="gelu"), r"`activation` must be one of \('swiglu', 'relu2'\)"),
         (dict(shared_gate=True), r"`shared_gate` gates the shared experts: it needs"),
         (dict(shared_width=-1), r"`shared_width` must be an int >= 0"),
         (dict(width=0), r"`width` must be a positive int"),
@@ -240,3 +250,42 @@ def test_an_lm_config_with_experts_builds_and_names_bad_fields():
                        ("model.experts=null", r"`model.experts` is the mixture of")]:
     with pytest.raises(ConfigError, match=message):
       build_model(train.load_config("lm_hybrid", [*overrides, bad]).model, 16, 16)
+
+
+def _gelu_tanh(u):
+  return 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+
+
+@pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu", "relu2"])
+def test_a_feed_forward_layer_is_its_formula_on_every_step(kind):
+  layer = layers.FeedForward(kind=kind, width=5, use_bias=True)
+  x = np.random.default_rng(8).normal(size=(2, 7, 4))
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+  p = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+  dense = lambda u, name: u @ p[f"{name}_proj"] + p[f"{name}_bias"]
+  act = {"gelu": _gelu_tanh, "geglu": _gelu_tanh, "swiglu": lambda u: u / (1 + np.exp(-u)),
+         "relu2": lambda u: np.maximum(u, 0) ** 2}[kind]
+  hidden = act(dense(x, "gate")) * dense(x, "up") if "gate_proj" in p else act(dense(x, "up"))
+  np.testing.assert_allclose(jax.jit(layer.apply)({"params": params}, x), dense(hidden, "down"),
+                             rtol=1e-10, atol=1e-12)
+
+
+def test_a_feed_forward_layer_of_experts_is_the_mixture_and_sows_its_loss():
+  """linen and NNX; NNX keeps the last call's loss, in one shape whatever the number of calls."""
+  config = CONFIGS["sigmoid-grouped-bias-relu2"]
+  config = dataclasses.replace(config, balance_weight=0.5)
+  layer = layers.FeedForward(kind="experts", experts=config)
+  x = jnp.asarray(np.random.default_rng(9).normal(size=(2, 7, 6)))
+  variables = jax.jit(layer.init)(jax.random.key(0), x)
+  y, sown = jax.jit(lambda v, x: layer.apply(v, x, mutable=["aux_loss"]))(variables, x)
+  want, balance = moe.mixture(config, variables["params"], x, jnp.float64)
+  np.testing.assert_array_equal(y, want)
+  np.testing.assert_allclose(sown["aux_loss"]["load_balancing"][0], 0.5 * balance, rtol=1e-12)
+  twin = snx.from_linen(layer, variables)
+  run = nnx.jit(lambda m, x: m(x))
+  for _ in range(2):
+    np.testing.assert_array_equal(run(twin, x), y)
+  kept = nnx.state(twin, nnx.Intermediate)["load_balancing"]
+  np.testing.assert_allclose(kept[...], 0.5 * balance, rtol=1e-12)
+  with pytest.raises(ValueError, match=r"`experts` is the mixture of kind='experts'"):
+    layers.FeedForward(kind="swiglu", experts=config).init(jax.random.key(0), x)

@@ -115,9 +115,10 @@ def test_reset_cuts_information_flow(layer):
     y, y_changed = run(params, X, reset), run(params, changed, reset)
     np.testing.assert_array_equal(y[:, 6:], y_changed[:, 6:], err_msg=mode)
     assert not np.allclose(y[:, :6], y_changed[:, :6])
-  # Without the reset the change does reach the later steps.
+  # Without the reset the change does reach the later steps, but for a layer without state.
   run = compiled.run(layer)
-  assert not np.allclose(run(params, X, None)[:, 6:], run(params, changed, None)[:, 6:])
+  reaches = not np.allclose(run(params, X, None)[:, 6:], run(params, changed, None)[:, 6:])
+  assert reaches == bool(jax.tree.leaves(layer.initialize_state((2, 4))))
 
 
 def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
@@ -138,12 +139,18 @@ def test_sequence_continues_from_a_state_and_returns_the_last(any_layer):
     _assert_close(got, want)
 
 
+def _wrong_state(layer):
+  """A state of 3 sequences for inputs of 2; for a layer without state (`()`), an array."""
+  state = layer.initialize_state((3, 4))
+  return state if jax.tree.leaves(state) else jnp.zeros(3)
+
+
 def test_a_state_of_the_wrong_shape_is_refused(layer):
   params = _params(layer)
   with pytest.raises(ValueError, match="initial_state"):
-    layer.apply(params, X, initial_state=layer.initialize_state((3, 4)))
+    layer.apply(params, X, initial_state=_wrong_state(layer))
   with pytest.raises(ValueError, match="`state`"):
-    layer.apply(params, layer.initialize_state((3, 4)), X[:, 0], method="step")
+    layer.apply(params, _wrong_state(layer), X[:, 0], method="step")
 
 
 def test_jit_vmap_and_shapes(layer):
@@ -168,8 +175,9 @@ def _equations(jaxpr):
 
 # The layers whose projections (outside the recurrence's own matrices) run in bfloat16 for
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
-PROJECTING = frozenset({"Mamba", "Mamba2", "Mamba3", "GatedDeltaNet", "KimiDeltaAttention",
-                        "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU", "Attention"})
+PROJECTING = frozenset({"FeedForward", "Mamba", "Mamba2", "Mamba3", "GatedDeltaNet",
+                        "KimiDeltaAttention", "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU",
+                        "Attention"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -491,9 +499,9 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
 
 def _state_size_option(layer: type) -> str:
   """The option that sizes a layer's state: `d_state`, attention's `cache_size` or RWKV-7's
-  `head_dim`."""
+  `head_dim`; a feed-forward layer's hidden `width`."""
   fields = {f.name for f in dataclasses.fields(layer)}
-  return next(name for name in ("d_state", "cache_size", "head_dim") if name in fields)
+  return next(name for name in ("d_state", "cache_size", "head_dim", "width") if name in fields)
 
 
 @pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))

@@ -212,8 +212,9 @@ def test_bad_input_names_the_argument(layer):
     layer(x, jnp.zeros((2, 12), bool))
   with pytest.raises(ValueError, match="`x`"):
     layer(x[0, 0])
+  wrong = layer.initialize_state((3, WIDTH))
   with pytest.raises(ValueError, match="initial_state"):
-    layer(x, initial_state=layer.initialize_state((3, WIDTH)))
+    layer(x, initial_state=wrong if jax.tree.leaves(wrong) else jnp.zeros(3))
 
 
 # NNX against linen, with the same parameters.

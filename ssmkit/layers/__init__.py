@@ -4,6 +4,7 @@ from ssmkit._src.layers.attention import Attention, AttentionState
 from ssmkit._src.layers.block import MixerBlock, SSMBlock
 from ssmkit._src.layers.convolution import ConvRecurrentState
 from ssmkit._src.layers.experts import Experts, MixtureOfExperts
+from ssmkit._src.layers.feed_forward import FeedForward
 from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionState",
     "ConvRecurrentState",
     "Experts",
+    "FeedForward",
     "GatedDeltaNet",
     "GatedDeltaProduct",
     "KimiDeltaAttention",

@@ -26,6 +26,8 @@ from ssmkit._src.linear_recurrence import accumulation_dtype
 Array = jax.Array
 
 SCORINGS = ("softmax", "sigmoid")
+# Each expert's MLP: down(silu(gate x) * up x), or down(relu(up x)^2) (Nemotron-H's).
+ACTIVATIONS = ("swiglu", "relu2")
 # The collection and name under which the load-balancing loss of each mixture is sown.
 AUX_LOSS = "aux_loss"
 
@@ -42,11 +44,11 @@ class Experts:
   the best `top_groups` groups). Their weights are their scores s, divided by their sum if
   `normalize`, times `routed_scale`; the output is
 
-    y = sum over chosen e of w_e down_e(silu(gate_e x) * up_e(x))
-        + [sigmoid(x w_s) if `shared_gate`] * shared(x),
+    y = sum over chosen e of w_e mlp_e(x) + [sigmoid(x w_s) if `shared_gate`] * shared(x),
 
-  each expert a SwiGLU MLP of hidden `width`, the shared experts one of `shared_width`
-  (0: none) without biases.
+  each expert an MLP of hidden `width`, the shared experts one of `shared_width` (0: none),
+  without biases: SwiGLU, down(silu(gate x) * up x), or with `activation` "relu2"
+  down(relu(up x)^2), Nemotron-H's.
 
   The load-balancing loss of Switch Transformer, E sum_e f_e P_e (f_e the fraction of chosen
   (token, slot) pairs that went to e over `top_k`, P_e the mean score; 1 when balanced) times
@@ -70,6 +72,7 @@ class Experts:
     groups: expert groups of the grouped choice; 1: none.
     top_groups: the groups the choice keeps, with `groups` > 1.
     balance_weight: the weight of the load-balancing loss; 0: none is sown.
+    activation: the experts' MLP, "swiglu" or "relu2".
   """
 
   num_experts: int = 8
@@ -84,6 +87,7 @@ class Experts:
   groups: int = 1
   top_groups: int = 1
   balance_weight: float = 0.0
+  activation: str = "swiglu"
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "width", "groups", "top_groups"):
@@ -93,6 +97,8 @@ class Experts:
       raise ValueError(f"`shared_width` must be an int >= 0, got {self.shared_width!r}.")
     if self.scoring not in SCORINGS:
       raise ValueError(f"`scoring` must be one of {SCORINGS}, got {self.scoring!r}.")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"`activation` must be one of {ACTIVATIONS}, got {self.activation!r}.")
     if self.top_k > self.num_experts:
       raise ValueError(f"`top_k`={self.top_k} must be at most `num_experts`={self.num_experts}.")
     if self.num_experts % self.groups or self.top_groups > self.groups:
@@ -116,13 +122,16 @@ def param_specs(config: Experts, features: int) -> dict[str, ParamSpec]:
   specs = {"router": ParamSpec((features, experts), lecun)}
   if config.score_bias:
     specs["score_bias"] = ParamSpec((experts,), nn.initializers.zeros)
-  specs.update(gate=ParamSpec((experts, features, width), lecun),
-               up=ParamSpec((experts, features, width), lecun),
+  gated = config.activation == "swiglu"
+  if gated:
+    specs["gate"] = ParamSpec((experts, features, width), lecun)
+  specs.update(up=ParamSpec((experts, features, width), lecun),
                down=ParamSpec((experts, width, features), lecun))
   if config.shared_width:
     shared = config.shared_width
-    specs.update(shared_gate=ParamSpec((features, shared), lecun),
-                 shared_up=ParamSpec((features, shared), lecun),
+    if gated:
+      specs["shared_gate"] = ParamSpec((features, shared), lecun)
+    specs.update(shared_up=ParamSpec((features, shared), lecun),
                  shared_down=ParamSpec((shared, features), lecun))
     if config.shared_gate:
       specs["shared_router"] = ParamSpec((features, 1), lecun)
@@ -170,19 +179,26 @@ def mixture(config: Experts, params: dict[str, Array], x: Array, dtype: Any,
   rows = tokens[order // config.top_k]
   sizes = jnp.bincount(flat, length=config.num_experts).astype(jnp.int32)
   wide = accumulation_dtype(dtype)
-  grouped = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
-                                            preferred_element_type=wide)
-  hidden = jax.nn.silu(grouped(rows, params["gate"])) * grouped(rows, params["up"])
-  out = grouped(hidden, params["down"]) * weights.reshape(-1)[order][:, None].astype(wide)
+  grouped = lambda a, name: jax.lax.ragged_dot(a.astype(dtype), params[name].astype(dtype),
+                                               sizes, preferred_element_type=wide)
+  out = _mlp(config, rows, grouped, "") * weights.reshape(-1)[order][:, None].astype(wide)
   y = jnp.zeros_like(out).at[order].set(out).reshape(*experts.shape, out.shape[-1]).sum(axis=-2)
   if config.shared_width:
     project = lambda a, name: common.project(a, params[name], dtype)
-    shared = project(jax.nn.silu(project(tokens, "shared_gate")) * project(tokens, "shared_up"),
-                     "shared_down")
+    shared = _mlp(config, tokens, project, "shared_")
     if config.shared_gate:
       shared = shared * jax.nn.sigmoid(project(tokens, "shared_router"))
     y = y + shared
   return y.reshape(*shape[:-1], y.shape[-1]), _balance(config, sizes, scores, axis_name)
+
+
+def _mlp(config: Experts, x: Array, product: Any, prefix: str) -> Array:
+  """An expert's MLP of `config.activation` on `x`, `product(a, name)` multiplying by the
+  parameter `prefix + name`."""
+  if config.activation == "relu2":
+    return product(jnp.square(jax.nn.relu(product(x, prefix + "up"))), prefix + "down")
+  hidden = jax.nn.silu(product(x, prefix + "gate")) * product(x, prefix + "up")
+  return product(hidden, prefix + "down")
 
 
 def _balance(config: Experts, sizes: Array, scores: Array, axis_name: Hashable | None) -> Array:
@@ -196,11 +212,29 @@ def _balance(config: Experts, sizes: Array, scores: Array, axis_name: Hashable |
   return config.num_experts * jnp.sum(share * mean) / config.top_k
 
 
+def sow_balance(owner: Any, config: Experts, balance: Array) -> None:
+  """Sows `config.balance_weight` x `balance` on `owner`, a linen module (appended to
+  "aux_loss"/"load_balancing", read with `mutable=["aux_loss"]`) or an NNX one (the
+  `nnx.Intermediate` "load_balancing", which each call replaces, so that its state keeps one
+  shape across calls); nothing when the weight is 0."""
+  if not config.balance_weight:
+    return
+  value = config.balance_weight * balance
+  if isinstance(owner, nn.Module):
+    owner.sow(AUX_LOSS, "load_balancing", value)
+    return
+  from flax import nnx
+
+  owner.sow(nnx.Intermediate, "load_balancing", value, init_fn=lambda: jnp.zeros((), value.dtype),
+            reduce_fn=lambda _, new: new)
+
+
 class MixtureOfExperts(nn.Module):
   """A mixture of experts as a linen module: `(..., H)` -> `(..., H)` (see `Experts`).
 
   Sows its weighted load-balancing loss in the collection "aux_loss" when
-  `config.balance_weight` > 0 (pass `mutable=["aux_loss"]` to `apply` to read it).
+  `config.balance_weight` > 0 (pass `mutable=["aux_loss"]` to `apply` to read it;
+  `sow_balance`).
 
   Attributes:
     config: the mixture's configuration.
@@ -219,6 +253,5 @@ class MixtureOfExperts(nn.Module):
     params = common.linen_params(self, param_specs(self.config, x.shape[-1]), self.param_dtype)
     dtype = common.computation_dtype(x.dtype if self.dtype is None else self.dtype)
     y, balance = mixture(self.config, params, x, dtype, axis_name)
-    if self.config.balance_weight:
-      self.sow(AUX_LOSS, "load_balancing", self.config.balance_weight * balance)
+    sow_balance(self, self.config, balance)
     return y.astype(x.dtype if self.dtype is None else self.dtype)

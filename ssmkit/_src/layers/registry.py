@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import ACTIVATIONS, MLPS, NORMS
+from ssmkit._src.layers.feed_forward import FeedForward
 from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
@@ -70,6 +71,8 @@ LAYERS: dict[str, Entry] = {
         {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "logit_cap": 3.0,
          "use_bias": True},
     )),
+    "feed_forward": Entry(FeedForward, ({"kind": "swiglu", "width": 6},
+                                        {"kind": "relu2", "width": 5})),
 }
 
 

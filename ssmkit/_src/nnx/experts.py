@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ssmkit._src.layers import common
-from ssmkit._src.layers.experts import Experts, mixture, param_specs
+from ssmkit._src.layers.experts import Experts, mixture, param_specs, sow_balance
 
 Array = jax.Array
 
@@ -19,7 +19,7 @@ class MixtureOfExperts(nnx.Module):
   """A mixture of experts over `features` channels (see `ssmkit.layers.Experts`).
 
   Its parameters have the linen module's names; its weighted load-balancing loss is sown as
-  the `nnx.Intermediate` "load_balancing" when `config.balance_weight` > 0.
+  the `nnx.Intermediate` "load_balancing" when `config.balance_weight` > 0, the last call's.
 
   Attributes:
     config: the mixture's configuration.
@@ -40,6 +40,5 @@ class MixtureOfExperts(nnx.Module):
     params = {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
     dtype = x.dtype if self.dtype is None else self.dtype
     y, balance = mixture(self.config, params, x, common.computation_dtype(dtype), axis_name)
-    if self.config.balance_weight:
-      self.sow(nnx.Intermediate, "load_balancing", self.config.balance_weight * balance)
+    sow_balance(self, self.config, balance)
     return y.astype(dtype)

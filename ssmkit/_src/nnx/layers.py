@@ -19,6 +19,7 @@ from flax import nnx
 
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.attention import Attention as _Attention
+from ssmkit._src.layers.feed_forward import FeedForward as _FeedForward
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet as _GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct as _GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention as _KimiDeltaAttention
@@ -191,3 +192,4 @@ KimiDeltaAttention = front_end(_KimiDeltaAttention)
 RWKV7 = front_end(_RWKV7)
 RGLRU = front_end(_RGLRU)
 MinGRU = front_end(_MinGRU)
+FeedForward = front_end(_FeedForward)
