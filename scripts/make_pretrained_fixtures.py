@@ -100,6 +100,18 @@ CONFIGS = {
         mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=8, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
         bos_token_id=1, eos_token_id=2),
+    # Mamba-2 of 4 heads x 12 channels (an inner width 1.5 x the model's, its step size clipped
+    # below), experts (4, top 2 among 1 of 2 groups, routed scaling, a shared expert),
+    # attention without positions, a squared-ReLU MLP.
+    "nemotron_h": transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=12, n_groups=2, conv_kernel=4,
+        chunk_size=8, time_step_min=0.05, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
@@ -108,8 +120,11 @@ MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
 
 def _noisy(model: torch.nn.Module, seed: int) -> None:
   generator = torch.Generator().manual_seed(seed)
+  # The buffers the checkpoint holds as weights: Nemotron-H's expert score corrections.
+  weights = [buffer for name, buffer in model.named_buffers()
+             if name.endswith("e_score_correction_bias")]
   with torch.no_grad():
-    for parameter in model.parameters():
+    for parameter in [*model.parameters(), *weights]:
       parameter.add_(NOISE * torch.randn(parameter.shape, generator=generator))
 
 

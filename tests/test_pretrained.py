@@ -34,7 +34,7 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                 "bamba": "BambaForCausalLM"}
+                 "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -131,8 +131,9 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, model_type="mamba2"),
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
-         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, mamba, mamba2, qwen3_5, "
-         r"qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, recurrent_gemma\)"),
+         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, mamba, mamba2, "
+         r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
+         r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
         (lambda f: _edit_config(f, hidden_act="gelu"), r"`hidden_act`='gelu' is not supported"),
@@ -230,6 +231,12 @@ def _edit_text_config(folder, **changes):
          r"`attn_layer_indices` must list layers of the 3, got \[3\]"),
         ("bamba", lambda f: _edit_config(f, time_step_limit=[0.0]),
          r"`time_step_limit` must be \[low, high\], got \[0.0\]"),
+        ("nemotron_h", lambda f: _edit_config(f, layers_block_type=["mamba", "conv"]),
+         r"`layers_block_type` has block kinds ssmkit does not know: \['conv'\]"),
+        ("nemotron_h", lambda f: _edit_config(f, moe_latent_size=8),
+         r"`moe_latent_size`=8 is not supported"),
+        ("nemotron_h", lambda f: _edit_config(f, mlp_hidden_act="silu"),
+         r"`mlp_hidden_act`='silu' is not supported"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -244,6 +251,17 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(name, change, message, t
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
     ssmkit.pretrained.load(folder)
+
+
+def test_a_nemotron_h_pattern_string_gives_the_same_model(tmp_path):
+  """The hub's Nemotron-H configs give the pattern as `hybrid_override_pattern`."""
+  folder = _copy(tmp_path, "nemotron_h")
+  _drop_config_field(folder, "layers_block_type")
+  _edit_config(folder, hybrid_override_pattern="ME*-")
+  model, variables, _ = ssmkit.pretrained.load(folder)
+  expected = _expected("nemotron_h")
+  assert _relative_error(jax.jit(model.apply)(variables, expected["input_ids"]),
+                         expected["logits"]) < 1e-4
 
 
 def test_an_image_text_checkpoint_leaves_out_its_vision_and_prediction_weights(tmp_path):
@@ -316,9 +334,11 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
       (model.clone(mlp="gelu"), variables,
        r"`model.mlp`='gelu': a Mamba2ForCausalLM has mlp='none'"),
       (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture"),
-      # A pattern of Mamba-2 layers is a Bamba's, which has MLPs.
+      # A pattern of Mamba-2 blocks without MLPs is a Nemotron-H's, whose step sizes are not
+      # clipped above.
       (model.clone(layer=(model.layer, model.layer)), variables,
-       r"`model.mlp`='none': a BambaForCausalLM has mlp='swiglu'"),
+       r"a NemotronHForCausalLM needs Mamba2 to be norm_per_group=True, norm_eps=1e-05, "
+       r"dt_limit=\(low, inf\)"),
       (model.clone(decoder_bias=True),
        {"params": {**variables["params"], "decoder": {**variables["params"]["decoder"],
                                                        "bias": np.ones(96, np.float32)}}},

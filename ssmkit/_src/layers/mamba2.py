@@ -22,9 +22,9 @@ from ssmkit._src.modes import Mode
 
 Array = jax.Array
 
-def _sizes(cfg: Any, features: int) -> tuple[int, int, int]:
+def sizes(cfg: Any, features: int) -> tuple[int, int, int]:
   """(inner width, heads, width of B and C together) of a Mamba-2 block over `features`."""
-  inner = cfg.expand * features
+  inner = cfg.expand * features if cfg.num_heads is None else cfg.num_heads * cfg.head_dim
   return inner, inner // cfg.head_dim, 2 * cfg.n_groups * cfg.d_state
 
 
@@ -32,7 +32,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   """The parameters of a Mamba-2 block over `features` channels, initialised as in the paper's code."""
   for name in ("d_state", "d_conv", "expand", "head_dim", "n_groups"):
     common.check_positive_int(getattr(cfg, name), name)
-  inner, heads, bc = _sizes(cfg, features)
+  if cfg.num_heads is not None:
+    common.check_positive_int(cfg.num_heads, "num_heads")
+  inner, heads, bc = sizes(cfg, features)
   if inner % cfg.head_dim:
     raise ValueError(f"`head_dim`={cfg.head_dim} must divide the inner width expand * H = {inner}.")
   if heads % cfg.n_groups:
@@ -59,7 +61,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
 def initialize_state(cfg: Any, input_shape: tuple[int, ...]) -> ConvRecurrentState:
   """The zero state for inputs `(*batch, H)`: the window of (x, B, C), and `(*batch, heads, N, P)`."""
   *batch, features = input_shape
-  inner, heads, bc = _sizes(cfg, features)
+  inner, heads, bc = sizes(cfg, features)
   return ConvRecurrentState(
       zero_window(tuple(batch), cfg.d_conv, inner + bc),
       jnp.zeros((*batch, heads, cfg.d_state, cfg.head_dim), jnp.float32),
@@ -72,7 +74,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   """The Mamba-2 block over `(..., T, H)` inputs: `(y, state after the last step)`."""
   features = x.shape[-1]
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
-  inner, heads, bc = _sizes(cfg, features)
+  inner, heads, bc = sizes(cfg, features)
   dtype = common.computation_dtype(x.dtype)
   # The projection's order, as in the reference: [z, x, B, C, dt].
   z, xbc, dt = jnp.split(common.project(x, params["in_proj"], dtype), [inner, 2 * inner + bc],
@@ -125,7 +127,10 @@ class Mamba2(functional.LinenLayer):
     d_state: state size N per head (the size of B and C).
     d_conv: width of the causal convolution.
     use_conv_bias: a bias on the convolution, as `transformers`' `use_conv_bias`.
-    expand: inner width = expand * H.
+    expand: inner width = expand * H (unless `num_heads` is set).
+    num_heads: the heads; the inner width is then num_heads * head_dim, whatever `expand`
+      (Nemotron-H's and Falcon-H1's inner widths are no multiple of H). None: expand * H /
+      head_dim.
     head_dim: channels P per head; must divide expand * H (32 divides it for any H that is a
       multiple of 16).
     n_groups: groups of heads that share B and C; must divide the number of heads.
@@ -149,6 +154,7 @@ class Mamba2(functional.LinenLayer):
   d_conv: int = 4
   use_conv_bias: bool = True
   expand: int = 2
+  num_heads: int | None = None
   head_dim: int = 32
   n_groups: int = 1
   dt_min: float = 1e-3

@@ -144,7 +144,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     _expect(len({_mamba_settings(m) for m in mambas}) == 1 and layer.norm_per_group
             and layer.norm_eps == eps, "Mamba2 options",
             f"the same in every layer, with norm_per_group=True and norm_eps={eps}")
-    inner = layer.expand * features
+    inner = mamba2.expanded_width(layer, features, ARCHITECTURE)
     fields.update(mamba_n_heads=inner // layer.head_dim, mamba_d_head=layer.head_dim,
                   mamba_n_groups=layer.n_groups, mamba_d_state=layer.d_state,
                   mamba_d_conv=layer.d_conv, mamba_expand=layer.expand,

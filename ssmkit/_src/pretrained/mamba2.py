@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ssmkit._src.layers.mamba2 import Mamba2
+from ssmkit._src.layers.mamba2 import Mamba2, sizes
 from ssmkit._src.pretrained import mamba
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
@@ -77,6 +77,19 @@ def step_limit(fields: Fields, name: str) -> tuple[float, float]:
   return float(decoded[0]), float(decoded[1])
 
 
+def expanded_width(layer: Mamba2, features: int, architecture: str) -> int:
+  """The inner width of a Mamba-2 layer that an architecture sizes by `expand` x H.
+
+  Raises:
+    CheckpointError: naming `num_heads` where it gives another width.
+  """
+  inner, _, _ = sizes(layer, features)
+  if inner != layer.expand * features:
+    raise CheckpointError(f"`model`: a {architecture} sizes Mamba-2 by expand x features = "
+                          f"{layer.expand * features}; the layer's num_heads x head_dim is {inner}.")
+  return inner
+
+
 def written_limit(limit: tuple[float, float]) -> list[Any]:
   """A step size's clip as config.json holds it: infinities as `transformers` writes them
   ({"__float__": "Infinity"}), so that the file is strict JSON."""
@@ -100,8 +113,8 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
 def mixer_params(tensors: Tensors, where: str, layer: Mamba2, features: int) -> dict[str, Any]:
   """A Mamba-2 mixer's parameters from `transformers`' tensors under `where` (Mamba-2's, and
   those of the hybrids built on it)."""
-  inner = layer.expand * features
-  heads, bc, k = inner // layer.head_dim, 2 * layer.n_groups * layer.d_state, layer.d_conv
+  inner, heads, bc = sizes(layer, features)
+  k = layer.d_conv
   take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
   mixer = {"in_proj": take("in_proj.weight", (2 * inner + bc + heads, features)).T,
            "conv_kernel": take("conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
@@ -131,7 +144,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
   if layer.n_groups > 1 and not layer.norm_per_group:
     raise CheckpointError("`model`: a Mamba2 layer with n_groups > 1 must normalise per group "
                           "(norm_per_group=True) to be a transformers Mamba2ForCausalLM.")
-  inner = layer.expand * model.features
+  inner = expanded_width(layer, model.features, ARCHITECTURE)
   return {"model_type": "mamba2", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
           "head_dim": layer.head_dim, "num_heads": inner // layer.head_dim,
