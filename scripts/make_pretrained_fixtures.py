@@ -112,6 +112,18 @@ CONFIGS = {
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Bamba's pattern with experts (4, top 2) and a shared expert in every block, and Granite's
+    # four multipliers; a tied head.
+    "granitemoehybrid": transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=24, embedding_multiplier=1.5, logits_scaling=2.0,
+        residual_multiplier=0.7, attention_multiplier=0.1, position_embedding_type="rope",
+        rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

@@ -55,7 +55,7 @@ def _reference(layer, params, x, reset):
     first = starts[t] if layer.window is None else max(starts[t], t - layer.window + 1)
     for n in range(heads):
       group = n // (heads // kv)
-      logits = k[first:t + 1, group] @ q[t, n] / np.sqrt(head_dim)
+      logits = k[first:t + 1, group] @ q[t, n] * (layer.scale or head_dim**-0.5)
       if layer.logit_cap is not None:
         logits = layer.logit_cap * np.tanh(logits / layer.logit_cap)
       weights = np.exp(logits - logits.max())
@@ -72,10 +72,11 @@ CONFIGS = {
                                         use_bias=True),
     "mqa-no-rotary-window-one": dict(num_heads=3, num_kv_heads=1, head_dim=2, window=1,
                                      rope_fraction=0.0),
-    # Qwen3-Next's and Qwen3.5's: an output gate, (1 + w) query and key norms, a quarter rotary.
-    "gqa-gated-plus-one-qk-norm": dict(num_heads=4, num_kv_heads=2, head_dim=8, output_gate=True,
-                                       qk_norm="rms_plus_one", qk_norm_eps=1e-6,
-                                       rope_fraction=0.25, use_bias=True),
+    # Qwen3-Next's and Qwen3.5's: an output gate, (1 + w) query and key norms, a quarter
+    # rotary; and a logit scale of its own (Granite's attention multiplier).
+    "gqa-gated-plus-one-qk-norm-scaled": dict(
+        num_heads=4, num_kv_heads=2, head_dim=8, output_gate=True, qk_norm="rms_plus_one",
+        qk_norm_eps=1e-6, rope_fraction=0.25, use_bias=True, scale=0.2),
 }
 
 
@@ -161,6 +162,7 @@ def test_bad_options_are_named():
       (dict(num_heads=2, cache_size=0), "`cache_size` must be a positive int"),
       (dict(num_heads=2, qk_norm="layer"), "`qk_norm` must be False, True, 'rms' or"),
       (dict(num_heads=2, qk_norm=True, qk_norm_eps=0.0), "`qk_norm_eps` must be > 0"),
+      (dict(num_heads=2, scale=-1.0), "`scale` must be > 0 or None"),
   ]:
     with pytest.raises(ValueError, match=match):
       layers.Attention(**options).init(jax.random.key(0), x)

@@ -34,12 +34,17 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                 "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+                 "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
-# The fixtures whose own tensors and config a fine-tuned model saves back to.
-SAVED_BACK = [name for name in ARCHITECTURES if SAVED_AS[name] == ARCHITECTURES[name]]
+# The fixtures a run fine-tunes and saves back to their own tensors and config: every type of
+# `ssmkit.pretrained`'s first release, and one per way the later ones build their blocks
+# (experts as the block's MLP; MLP and experts blocks). `load` checks that every model's
+# parameters are exactly its checkpoint's, and `save` of each is tested above.
+FINE_TUNED = ["mamba", "mamba_bias", "falcon_mamba", "mamba2", "recurrent_gemma", "qwen3_next",
+              "nemotron_h"]
 
 
 def _expected(name):
@@ -131,7 +136,8 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, model_type="mamba2"),
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
-         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, mamba, mamba2, "
+         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, granitemoehybrid, "
+         r"mamba, mamba2, "
          r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
          r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
@@ -237,6 +243,10 @@ def _edit_text_config(folder, **changes):
          r"`moe_latent_size`=8 is not supported"),
         ("nemotron_h", lambda f: _edit_config(f, mlp_hidden_act="silu"),
          r"`mlp_hidden_act`='silu' is not supported"),
+        ("granitemoehybrid", lambda f: _edit_config(f, position_embedding_type="alibi"),
+         r"`position_embedding_type`='alibi' is not supported"),
+        ("granitemoehybrid", lambda f: _edit_config(f, layer_types=["mamba", "mlp"]),
+         r"`layer_types` must give 'linear_attention' or 'full_attention' for each layer"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -454,7 +464,7 @@ def _word_corpus(folder, seed=4):
   return folder
 
 
-@pytest.mark.parametrize("name", SAVED_BACK)
+@pytest.mark.parametrize("name", FINE_TUNED)
 def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, capsys):
   """load -> `ssmkit train` a few steps -> `ssmkit export`: the folder holds the checkpoint's own
   tensors by transformers' names (those of the fixture transformers wrote) with the fine-tuned

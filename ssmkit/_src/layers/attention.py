@@ -78,6 +78,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     raise ValueError(f"`rope_base` must be > 0, got {cfg.rope_base}.")
   if cfg.logit_cap is not None and not cfg.logit_cap > 0:
     raise ValueError(f"`logit_cap` must be > 0 or None, got {cfg.logit_cap}.")
+  if cfg.scale is not None and not cfg.scale > 0:
+    raise ValueError(f"`scale` must be > 0 or None, got {cfg.scale!r}.")
   norm = _qk_norm(cfg)
   if not cfg.qk_norm_eps > 0:
     raise ValueError(f"`qk_norm_eps` must be > 0, got {cfg.qk_norm_eps!r}.")
@@ -148,12 +150,13 @@ def _attend(cfg: Any, q: Array, k: Array, v: Array, mask: Array) -> Array:
   """softmax(q k^T / sqrt(D) [soft-capped], masked) v for `(B, T, N, D)` queries, `(B, S, K, D)`
   keys and values and a `(B, T, S)` mask in which every query sees at least one key."""
   if cfg.logit_cap is None and q.dtype != jnp.float64:
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=cfg.scale)
   # Soft-capping has no argument in jax.nn.dot_product_attention, and it takes the softmax in
   # float32 whatever the inputs: here the logits are formed in the inputs' dtype.
   groups = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-  logits = jnp.einsum("btnd,bsnd->bnts", q, k) / math.sqrt(q.shape[-1])
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k)
+  logits = logits / math.sqrt(q.shape[-1]) if cfg.scale is None else logits * cfg.scale
   if cfg.logit_cap is not None:
     logits = cfg.logit_cap * jnp.tanh(logits / cfg.logit_cap)
   weights = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
@@ -418,7 +421,7 @@ class Attention(functional.LinenLayer):
   RMS-normalised per head (`qk_norm`), and the first `rope_fraction` of each head's channels
   turn by rotary position embeddings of base `rope_base` (RecurrentGemma rotates half). Step t
   attends to steps s <= t of its document, within the last `window` steps if `window` is set
-  (local attention), with logits q.k / sqrt(head_dim), soft-capped to
+  (local attention), with logits q.k / sqrt(head_dim) (or q.k `scale`), soft-capped to
   `logit_cap` * tanh(logit / `logit_cap`) if set. `jax.nn.dot_product_attention` computes it
   (cuDNN's fused kernels on NVIDIA GPUs, XLA elsewhere; soft-capping, which it does not take,
   and float64, which it would round to a float32 softmax, form the logits here), block by
@@ -452,6 +455,8 @@ class Attention(functional.LinenLayer):
       (`gate_proj`, as wide as the queries) before the output projection: the gated attention
       of Qwen3-Next and Qwen3.5.
     logit_cap: soft cap of the logits; None: none.
+    scale: the factor of q.k in the logits; None: 1 / sqrt(head_dim) (Granite's
+      `attention_multiplier` sets it).
     use_bias: biases on the four projections.
     out_bias: a bias on the output projection; None: as `use_bias` (RecurrentGemma has it
       alone, Qwen2 has the other three alone).
@@ -474,6 +479,7 @@ class Attention(functional.LinenLayer):
   qk_norm_eps: float = EPS
   output_gate: bool = False
   logit_cap: float | None = None
+  scale: float | None = None
   use_bias: bool = False
   out_bias: bool | None = None
   param_dtype: jnp.dtype = jnp.float32

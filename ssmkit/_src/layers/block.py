@@ -124,10 +124,12 @@ def feed_forward(x: Array, kind: str, *, up: Callable[[Array], Array],
 def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[Any, Array]], *,
                    norm: Callable[[Array], Array], dropout: Callable[[Array], Array],
                    mlp_norm: Callable[[Array], Array] | None,
-                   mlp: Callable[[Array], Array] | None) -> tuple[Any, Array]:
+                   mlp: Callable[[Array], Array] | None,
+                   scale: float = 1.0) -> tuple[Any, Array]:
   """The transformer-style block from its parts, as both front ends compose it.
 
-  h = x + dropout(mixer(norm(x))); y = h + dropout(mlp(mlp_norm(h))), or y = h without an MLP.
+  h = x + s dropout(mixer(norm(x))); y = h + s dropout(mlp(mlp_norm(h))), or y = h without an
+  MLP; s = `scale` (Granite's residual multiplier).
 
   Args:
     x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
@@ -138,17 +140,19 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
     dropout: the dropout (the identity at inference).
     mlp_norm: the normalisation before the MLP, or None without one.
     mlp: the MLP (see `feed_forward`), or None.
+    scale: the factor on both branches before they join the residual stream.
 
   Returns:
     `(carry, y)`: the mixer's carry and the outputs, of `x`'s shape and dtype.
   """
+  scaled = (lambda u: u) if scale == 1.0 else (lambda u: u * scale)
   h = norm(x)
   if mask is not None:
     h = jnp.where(mask[..., None], h, jnp.zeros_like(h))
   carry, h = mixer(h)
-  x = x + dropout(h).astype(x.dtype)
+  x = x + scaled(dropout(h)).astype(x.dtype)
   if mlp is not None:
-    x = x + dropout(mlp(mlp_norm(x))).astype(x.dtype)
+    x = x + scaled(dropout(mlp(mlp_norm(x)))).astype(x.dtype)
   return carry, x
 
 
@@ -328,6 +332,8 @@ class MixerBlock(_Block):
     mlp_expansion: the MLP's hidden width over the block's width (not of "experts").
     experts: the mixture of experts of `mlp="experts"` (`ssmkit.layers.Experts`), a
       `MixtureOfExperts` named "mlp_experts".
+    residual_scale: the factor on the mixer's and the MLP's outputs before they join the
+      residual stream (Granite's `residual_multiplier`).
     mlp_bias: biases in the MLP's projections.
     dropout_rate: dropout on the mixer's and the MLP's outputs, when `train`.
 
@@ -342,6 +348,7 @@ class MixerBlock(_Block):
   mlp_expansion: float = 4.0
   mlp_bias: bool = False
   experts: Experts | None = None
+  residual_scale: float = 1.0
   dropout_rate: float = 0.0
 
   @nn.compact
@@ -373,7 +380,7 @@ class MixerBlock(_Block):
     return mixer_residual(x, mask, mixer,
                           norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
-                          mlp_norm=mlp_norm, mlp=mlp)
+                          mlp_norm=mlp_norm, mlp=mlp, scale=self.residual_scale)
 
 
 def check_experts(mlp: str, experts: Experts | None) -> None:

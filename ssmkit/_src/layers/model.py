@@ -39,8 +39,8 @@ BLOCKS = ("ssm", "mixer")
 # models and blocks.
 BLOCK_OPTIONS = {
     "ssm": ("norm", "norm_eps", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
-    "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "experts", "dropout_rate",
-              "dtype", "param_dtype"),
+    "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "experts", "residual_scale",
+              "dropout_rate", "dtype", "param_dtype"),
 }
 
 
@@ -120,6 +120,12 @@ def check_model(model: Any) -> None:
     raise ValueError("`scale_embeddings` scales token embeddings: it needs `vocab_size`.")
   if model.logit_cap is not None and not model.logit_cap > 0:
     raise ValueError(f"`logit_cap` must be > 0 or None, got {model.logit_cap!r}.")
+  for name in ("logits_scaling", "residual_scale"):
+    if not getattr(model, name) > 0:
+      raise ValueError(f"`{name}` must be > 0, got {getattr(model, name)!r}.")
+  if model.residual_scale != 1.0 and model.block != "mixer":
+    raise ValueError(f"`residual_scale` scales a mixer block's branches: it needs block='mixer', "
+                     f"got block={model.block!r}.")
   if model.norm_eps is not None and not model.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0 or None, got {model.norm_eps!r}.")
   common.check_float_dtype(model.dtype, "dtype")
@@ -136,8 +142,12 @@ def scanned_counts(model: Any) -> tuple[int, int]:
   return divmod(model.num_blocks, len(layer_pattern(model.layer)))
 
 
-def cap_logits(logits: Array, cap: float | None) -> Array:
-  """`cap * tanh(logits / cap)`, or `logits` when `cap` is None."""
+def output_logits(model: Any, logits: Array) -> Array:
+  """The decoder's outputs of a `SequenceModel` of either front end divided by its
+  `logits_scaling`, then soft-capped to `cap * tanh(logits / cap)` by its `logit_cap`."""
+  if model.logits_scaling != 1.0:
+    logits = logits / model.logits_scaling
+  cap = model.logit_cap
   return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
@@ -229,6 +239,9 @@ class SequenceModel(nn.Module):
     scale_embeddings: multiply token embeddings by sqrt(`features`) (True: Gemma), or by this
       number (RecurrentGemma's checkpoints use sqrt(`features`) rounded to bfloat16).
     logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
+    logits_scaling: divide the decoder's outputs by this, before the cap (Granite's).
+    residual_scale: the factor on each mixer block's branches before they join the residual
+      stream (block "mixer"; Granite's `residual_multiplier`).
     dtype: the computation dtype of the model's activations, embeddings, norms and
       projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
       parameters. The layers take their inputs in it, multiply their projections in it
@@ -258,6 +271,8 @@ class SequenceModel(nn.Module):
   decoder_bias: bool = True
   scale_embeddings: bool | float = False
   logit_cap: float | None = None
+  logits_scaling: float = 1.0
+  residual_scale: float = 1.0
   dtype: Any = None
   param_dtype: Any = jnp.float32
 
@@ -337,7 +352,7 @@ class SequenceModel(nn.Module):
       y = encoder.attend(x)
     else:
       y = nn.Dense(self.num_outputs, use_bias=self.decoder_bias, name="decoder", **precision)(x)
-    return state, cap_logits(y, self.logit_cap)
+    return state, output_logits(self, y)
 
   @nn.nowrap
   def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:

@@ -226,7 +226,8 @@ class MixerBlock(_Block):
   def __init__(self, features: int, *, layer: Callable[..., nnx.Module] = LRU, dtype: Any = None,
                param_dtype: Any = jnp.float32, norm: str = "rms", norm_eps: float | None = None,
                mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
-               experts: Experts | None = None, dropout_rate: float = 0.0, rngs: nnx.Rngs):
+               experts: Experts | None = None, residual_scale: float = 1.0,
+               dropout_rate: float = 0.0, rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -240,6 +241,7 @@ class MixerBlock(_Block):
       mlp_expansion: the MLP's hidden width over `features`.
       mlp_bias: biases in the MLP's projections.
       experts: the mixture of `mlp="experts"` (`ssmkit.layers.Experts`).
+      residual_scale: the factor on the mixer's and the MLP's outputs before the residual.
       dropout_rate: dropout on the mixer's and the MLP's outputs, in training mode.
       rngs: the parameters' and dropout's random streams.
     """
@@ -250,6 +252,7 @@ class MixerBlock(_Block):
     self.mlp_expansion = mlp_expansion
     self.mlp_bias = mlp_bias
     self.experts = experts
+    self.residual_scale = residual_scale
     self.dtype, self.param_dtype = dtype, param_dtype
     precision = dict(dtype=dtype, param_dtype=param_dtype)
     self.norm_eps = norm_eps
@@ -287,4 +290,5 @@ class MixerBlock(_Block):
                           value_residual=value_residual),
         norm=lambda u: norm(self.norm, u),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
-        mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp)
+        mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp,
+        scale=self.residual_scale)

@@ -14,13 +14,13 @@ from ssmkit._src.layers.experts import Experts
 from ssmkit._src.layers.model import (
   block_layer,
   block_options,
-  cap_logits,
   check_inputs,
   check_model,
   check_step_inputs,
   check_step_state,
   generation_arguments,
   layer_pattern,
+  output_logits,
   pattern_state,
   pool,
   sample,
@@ -78,7 +78,8 @@ class SequenceModel(nnx.Module):
                dropout_rate: float = 0.0, prenorm: bool = True, scan_blocks: bool = False,
                tie_embeddings: bool = False, decoder_bias: bool = True,
                scale_embeddings: bool | float = False, logit_cap: float | None = None,
-               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               logits_scaling: float = 1.0, residual_scale: float = 1.0, dtype: Any = None,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
     Args:
@@ -107,6 +108,8 @@ class SequenceModel(nnx.Module):
       decoder_bias: a bias on the decoder (untied heads).
       scale_embeddings: multiply token embeddings by sqrt(`features`) (True) or by this number.
       logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
+      logits_scaling: divide the decoder's outputs by this, before the cap.
+      residual_scale: the factor on each mixer block's branches (block "mixer").
       dtype: the computation dtype of the activations, embeddings, norms and projections
         (e.g. `jnp.bfloat16`); None: that of the inputs and parameters.
       param_dtype: the dtype of the model's own parameters (the layers have their own).
@@ -137,6 +140,8 @@ class SequenceModel(nnx.Module):
     self.decoder_bias = decoder_bias
     self.scale_embeddings = scale_embeddings
     self.logit_cap = logit_cap
+    self.logits_scaling = logits_scaling
+    self.residual_scale = residual_scale
     self.dtype, self.param_dtype = dtype, param_dtype
     check_model(self)
     precision = dict(dtype=dtype, param_dtype=param_dtype)
@@ -213,7 +218,7 @@ class SequenceModel(nnx.Module):
     if not single_step:
       x = pool(x, mask, self.pooling, axis_name)
     y = self.encoder.attend(x) if self.tie_embeddings else self.decoder(x)
-    return state, cap_logits(y, self.logit_cap)
+    return state, output_logits(self, y)
 
   def __call__(self, x: Array, mask: Array | None = None, reset: Array | None = None, *,
                initial_state: Any = None, return_state: bool = False, mode: str | Mode = "auto",

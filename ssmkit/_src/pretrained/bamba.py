@@ -48,21 +48,9 @@ def options(fields: Fields) -> dict[str, Any]:
   Raises:
     CheckpointError: naming a field whose value ssmkit cannot compute exactly.
   """
-  fields.require("hidden_act", "silu")
-  fields.require("mamba_proj_bias", False)
   features, blocks = fields.int("hidden_size"), fields.int("num_hidden_layers")
-  heads, expand = fields.int("mamba_n_heads", 128), fields.int("mamba_expand", 2)
-  head_dim = fields.get("mamba_d_head", "auto")
-  head_dim = expand * features // heads if head_dim == "auto" else fields.int("mamba_d_head")
-  if heads * head_dim != expand * features:
-    raise CheckpointError(f"{fields.source}: `mamba_n_heads` x `mamba_d_head` = {heads * head_dim} "
-                          f"must be `mamba_expand` x `hidden_size` = {expand * features}.")
   eps = fields.float("rms_norm_eps", 1e-5)
-  mamba = functools.partial(
-      Mamba2, d_state=fields.int("mamba_d_state", 256), d_conv=fields.int("mamba_d_conv", 4),
-      use_conv_bias=bool(fields.get("mamba_conv_bias", True)), expand=expand, head_dim=head_dim,
-      n_groups=fields.int("mamba_n_groups", 1),
-      dt_limit=mamba2.step_limit(fields, "time_step_limit"), norm_eps=eps, norm_per_group=True)
+  mamba = mamba_layer(fields)
   attention = functools.partial(Attention, **attention_options(fields))
   indices = fields.get("attn_layer_indices", [])
   if not isinstance(indices, list) or not set(indices) <= set(range(blocks)):
@@ -75,6 +63,29 @@ def options(fields: Fields) -> dict[str, Any]:
               mlp_expansion=fields.int("intermediate_size") / features,
               mlp_bias=bool(fields.get("mlp_bias", False)),
               tie_embeddings=bool(fields.get("tie_word_embeddings", False)), decoder_bias=False)
+
+
+def mamba_layer(fields: Fields) -> Any:
+  """The Mamba-2 layer of Bamba's and Granite 4.0's `mamba_*` fields.
+
+  Raises:
+    CheckpointError: naming a field whose value ssmkit cannot compute exactly.
+  """
+  fields.require("hidden_act", "silu")
+  fields.require("mamba_proj_bias", False)
+  features = fields.int("hidden_size")
+  heads, expand = fields.int("mamba_n_heads", 128), fields.int("mamba_expand", 2)
+  head_dim = fields.get("mamba_d_head", "auto")
+  head_dim = expand * features // heads if head_dim == "auto" else fields.int("mamba_d_head")
+  if heads * head_dim != expand * features:
+    raise CheckpointError(f"{fields.source}: `mamba_n_heads` x `mamba_d_head` = {heads * head_dim} "
+                          f"must be `mamba_expand` x `hidden_size` = {expand * features}.")
+  return functools.partial(
+      Mamba2, d_state=fields.int("mamba_d_state", 256), d_conv=fields.int("mamba_d_conv", 4),
+      use_conv_bias=bool(fields.get("mamba_conv_bias", True)), expand=expand, head_dim=head_dim,
+      n_groups=fields.int("mamba_n_groups", 1),
+      dt_limit=mamba2.step_limit(fields, "time_step_limit"),
+      norm_eps=fields.float("rms_norm_eps", 1e-5), norm_per_group=True)
 
 
 def attention_options(fields: Fields) -> dict[str, Any]:
@@ -127,24 +138,54 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     CheckpointError: naming the option that `transformers`' Bamba does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
-  eps = 1e-6 if model.norm_eps is None else model.norm_eps
-  kinds = [made[i % len(made)] for i in range(model.num_blocks)]
-  mambas = [layer for layer in made if isinstance(layer, Mamba2)]
-  attentions = [layer for layer in made if isinstance(layer, Attention)]
   fields = {"model_type": MODEL_TYPE, "hidden_size": features,
             "num_hidden_layers": model.num_blocks,
             "intermediate_size": mlp_width(features, model.mlp_expansion),
-            "mlp_bias": model.mlp_bias, "hidden_act": "silu", "rms_norm_eps": eps,
+            "mlp_bias": model.mlp_bias, "hidden_act": "silu",
             "tie_word_embeddings": model.tie_embeddings,
-            "attn_layer_indices": [i for i, layer in enumerate(kinds)
-                                   if isinstance(layer, Attention)]}
+            "attn_layer_indices": [i for i, kind in enumerate(mixer_kinds(model))
+                                   if kind == "attention"],
+            **mixer_fields(model, ARCHITECTURE)}
+  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
+             "model.final_layernorm.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
+  if not model.tie_embeddings:
+    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  for i, block in enumerate(blocks):
+    prefix = f"model.layers.{i}"
+    tensors[f"{prefix}.pre_ff_layernorm.weight"] = block["mlp_norm"]["RMSNorm_0"]["scale"]
+    tensors.update(mixer_tensors(prefix, block))
+    tensors.update({f"{prefix}.feed_forward.{name}": value
+                    for name, value in parts.swiglu_tensors(block).items()})
+  return fields, tensors
+
+
+def mixer_kinds(model: Any) -> list[str]:
+  """"mamba" or "attention" for each block of a pattern of Mamba-2 and attention layers."""
+  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  return ["mamba" if isinstance(made[i % len(made)], Mamba2) else "attention"
+          for i in range(model.num_blocks)]
+
+
+def mixer_fields(model: Any, architecture: str) -> dict[str, Any]:
+  """The config.json fields of the Mamba-2 and attention layers and norms of Bamba and Granite
+  4.0 (`architecture`; Granite's attention may have its own logit `scale`).
+
+  Raises:
+    CheckpointError: naming the option that the architecture does not have.
+  """
+  features = model.features
+  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  eps = 1e-6 if model.norm_eps is None else model.norm_eps
+  fields: dict[str, Any] = {"rms_norm_eps": eps}
+  mambas = [layer for layer in made if isinstance(layer, Mamba2)]
+  attentions = [layer for layer in made if isinstance(layer, Attention)]
+  expect = functools.partial(_expect, architecture)
   if mambas:
     layer = mambas[0]
-    _expect(len({_mamba_settings(m) for m in mambas}) == 1 and layer.norm_per_group
-            and layer.norm_eps == eps, "Mamba2 options",
-            f"the same in every layer, with norm_per_group=True and norm_eps={eps}")
-    inner = mamba2.expanded_width(layer, features, ARCHITECTURE)
+    expect(len({_mamba_settings(m) for m in mambas}) == 1 and layer.norm_per_group
+           and layer.norm_eps == eps, "Mamba2 options",
+           f"the same in every layer, with norm_per_group=True and norm_eps={eps}")
+    inner = mamba2.expanded_width(layer, features, architecture)
     fields.update(mamba_n_heads=inner // layer.head_dim, mamba_d_head=layer.head_dim,
                   mamba_n_groups=layer.n_groups, mamba_d_state=layer.d_state,
                   mamba_d_conv=layer.d_conv, mamba_expand=layer.expand,
@@ -154,28 +195,29 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     layer = attentions[0]
     heads = layer.num_heads
     out_bias = layer.use_bias if layer.out_bias is None else layer.out_bias
-    _expect(len({_attention_settings(a) for a in attentions}) == 1 and layer.window is None
-            and not layer.qk_norm and not layer.output_gate and layer.logit_cap is None
-            and out_bias == layer.use_bias and layer.head_dim in (None, features // heads),
-            "Attention options", "the same in every layer, global, without qk_norm, "
-            "output_gate or logit_cap, head_dim features / num_heads")
+    expect(len({_attention_settings(a) for a in attentions}) == 1 and layer.window is None
+           and not layer.qk_norm and not layer.output_gate and layer.logit_cap is None
+           and out_bias == layer.use_bias and layer.head_dim in (None, features // heads)
+           and (architecture != ARCHITECTURE or (layer.scale is None
+                                                 and layer.rope_fraction == 0.5)),
+           "Attention options", "the same in every layer, global, without qk_norm, "
+           "output_gate or logit_cap, head_dim features / num_heads (Bamba's: half rotary, "
+           "no scale of its own)")
+    rope = {"rope_type": "default", "rope_theta": layer.rope_base}
+    if layer.rope_fraction not in (0.0, 1.0):
+      rope["partial_rotary_factor"] = layer.rope_fraction
     fields.update(num_attention_heads=heads, num_key_value_heads=layer.num_kv_heads or heads,
-                  attention_bias=layer.use_bias,
-                  rope_parameters={"rope_type": "default", "rope_theta": layer.rope_base,
-                                   "partial_rotary_factor": layer.rope_fraction})
-  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.final_layernorm.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
-  if not model.tie_embeddings:
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
-  for i, block in enumerate(blocks):
-    prefix, mixer = f"model.layers.{i}", block["mixer"]
-    tensors[f"{prefix}.input_layernorm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
-    tensors[f"{prefix}.pre_ff_layernorm.weight"] = block["mlp_norm"]["RMSNorm_0"]["scale"]
-    place, named = (("mamba", mamba2.mixer_tensors(mixer)) if "A_log" in mixer
-                    else ("self_attn", parts.attention_tensors(mixer)))
-    for where, values in ((place, named), ("feed_forward", parts.swiglu_tensors(block))):
-      tensors.update({f"{prefix}.{where}.{name}": value for name, value in values.items()})
-  return fields, tensors
+                  attention_bias=layer.use_bias, rope_parameters=rope)
+  return fields
+
+
+def mixer_tensors(prefix: str, block: dict[str, Any]) -> dict[str, np.ndarray]:
+  """A block's input norm and Mamba-2 (`mamba.*`) or attention (`self_attn.*`) tensors."""
+  mixer = block["mixer"]
+  place, named = (("mamba", mamba2.mixer_tensors(mixer)) if "A_log" in mixer
+                  else ("self_attn", parts.attention_tensors(mixer)))
+  return {f"{prefix}.input_layernorm.weight": block["norm"]["RMSNorm_0"]["scale"],
+          **{f"{prefix}.{place}.{name}": value for name, value in named.items()}}
 
 
 def _mamba_settings(layer: Mamba2) -> tuple[Any, ...]:
@@ -186,9 +228,9 @@ def _mamba_settings(layer: Mamba2) -> tuple[Any, ...]:
 def _attention_settings(layer: Attention) -> tuple[Any, ...]:
   return (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.rope_base,
           layer.rope_fraction, layer.window, layer.qk_norm, layer.output_gate, layer.logit_cap,
-          layer.use_bias, layer.out_bias)
+          layer.scale, layer.use_bias, layer.out_bias)
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
+def _expect(architecture: str, holds: bool, option: str, what: str) -> None:
   if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+    raise CheckpointError(f"`model`: a {architecture} needs {option} to be {what}.")
