@@ -124,6 +124,14 @@ CONFIGS = {
         residual_multiplier=0.7, attention_multiplier=0.1, position_embedding_type="rope",
         rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # Mamba with scaled selective norms, attention (every 4th layer from the 3rd) and experts
+    # (every 2nd from the 2nd: 4, top 2, not renormalised) or SwiGLU MLPs.
+    "jamba": transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

@@ -239,13 +239,16 @@ def test_a_train_step_descends_the_cross_entropy_plus_the_load_balancing_losses(
 
 def test_an_lm_config_with_experts_builds_and_names_bad_fields():
   overrides = ["model.block=mixer", "model.mlp=experts", "model.features=8", "model.num_blocks=1",
-               "model.experts={num_experts: 4, top_k: 2, width: 8, balance_weight: 0.01}"]
+               "model.experts={num_experts: 4, top_k: 2, width: 8, balance_weight: 0.01, "
+               "score_bias: true}"]
   config = train.load_config("lm_hybrid", overrides)
   model = build_model(config.model, 16, 16)
-  assert model.experts == layers.Experts(num_experts=4, top_k=2, width=8, balance_weight=0.01)
+  assert model.experts == layers.Experts(num_experts=4, top_k=2, width=8, balance_weight=0.01,
+                                         score_bias=True)
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32))["params"]
   labels = parameter_labels(params, list(config.model.layer))
-  assert labels["block_0"]["mlp_experts"]["router"] == "decay"
+  experts = labels["block_0"]["mlp_experts"]
+  assert (experts["router"], experts["score_bias"]) == ("decay", "no_decay")
   for bad, message in [("model.experts={top_k: 9}", r"`model.experts.top_k`=9 must be at most"),
                        ("model.experts={many: 3}", r"`model.experts` must map fields of ssmkit"),
                        ("model.experts=null", r"`model.experts` is the mixture of")]:

@@ -35,7 +35,7 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                  "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                 "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -137,7 +137,7 @@ def _edit_weights(folder, edit):
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
          r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, granitemoehybrid, "
-         r"mamba, mamba2, "
+         r"jamba, mamba, mamba2, "
          r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
          r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
@@ -247,6 +247,10 @@ def _edit_text_config(folder, **changes):
          r"`position_embedding_type`='alibi' is not supported"),
         ("granitemoehybrid", lambda f: _edit_config(f, layer_types=["mamba", "mlp"]),
          r"`layer_types` must give 'linear_attention' or 'full_attention' for each layer"),
+        ("jamba", lambda f: _edit_config(f, mamba_proj_bias=True),
+         r"`mamba_proj_bias`=True is not supported"),
+        ("jamba", lambda f: _edit_config(f, num_experts_per_tok=5),
+         r"gives experts ssmkit cannot build: `top_k`=5 must be at most `num_experts`=4"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),

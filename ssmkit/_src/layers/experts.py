@@ -1,10 +1,11 @@
 """A mixture of experts in place of a block's MLP: a router picks `top_k` of `num_experts`
-SwiGLU MLPs per token, whose outputs it weighs and sums, beside optional shared experts that
-every token passes.
+MLPs per token, whose outputs it weighs and sums, beside optional shared experts that every
+token passes.
 
 The maths are pure functions of an `Experts` configuration and a dict of parameters
 (`param_specs`, `mixture`); `MixtureOfExperts` is the linen module a `MixerBlock` builds with
-`mlp="experts"`, and `ssmkit.nnx` has its twin. The chosen experts run as grouped matrix
+`mlp="experts"` (and `ssmkit.layers.FeedForward(kind="experts")` a layer of them), and
+`ssmkit.nnx` has its twin. The chosen experts run as grouped matrix
 products (`jax.lax.ragged_dot`): the token copies sorted by expert, each expert's rows one group,
 no loop over experts and no capacity (no token is dropped).
 """

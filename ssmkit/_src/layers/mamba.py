@@ -47,6 +47,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
     common.check_positive_int(cfg.dt_rank, "dt_rank")
   if cfg.selective_norm_eps is not None and not cfg.selective_norm_eps > 0:
     raise ValueError(f"`selective_norm_eps` must be > 0 or None, got {cfg.selective_norm_eps!r}.")
+  if cfg.selective_norm_scale and cfg.selective_norm_eps is None:
+    raise ValueError("`selective_norm_scale` scales the selective norms: it needs "
+                     "`selective_norm_eps`.")
   if not 0 < cfg.dt_min <= cfg.dt_max:
     raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={cfg.dt_min}, dt_max={cfg.dt_max}.")
   inner, n, rank = cfg.expand * features, cfg.d_state, cfg.dt_rank or math.ceil(features / 16)
@@ -64,6 +67,9 @@ def param_specs(cfg: Any, features: int) -> dict[str, common.ParamSpec]:
       **({"in_proj_bias": common.ParamSpec((2 * inner,), nn.initializers.zeros),
           "out_proj_bias": common.ParamSpec((features,), nn.initializers.zeros)}
          if cfg.use_bias else {}),
+      **({f"{name}_norm_scale": common.ParamSpec((width,), nn.initializers.ones)
+          for name, width in (("dt", rank), ("b", n), ("c", n))}
+         if cfg.selective_norm_scale else {}),
   }
 
 
@@ -91,6 +97,9 @@ def _selective(cfg: Any, params: dict[str, Array], u: Array, dtype: Any
     eps = cfg.selective_norm_eps
     parts = tuple(part * jax.lax.rsqrt(jnp.mean(part * part, axis=-1, keepdims=True) + eps)
                   for part in parts)
+  if cfg.selective_norm_scale:
+    parts = tuple(part * common.leading_ones(params[f"{name}_norm_scale"], part.ndim)
+                  for part, name in zip(parts, ("dt", "b", "c"), strict=True))
   step_rank, b, c = parts
   dt = jax.nn.softplus(step_rank @ params["dt_proj"] + common.leading_ones(params["dt_bias"], u.ndim))
   return dt, b, c
@@ -181,6 +190,8 @@ class Mamba(functional.LinenLayer):
     selective_norm_eps: RMS-normalise the step size's low-rank input, B and C (without a
       scale) with this epsilon before use, as Falcon-Mamba does (its `mixer_rms_eps`); None:
       Mamba's block, which does not.
+    selective_norm_scale: those norms have learned scales (`dt_norm_scale`, `b_norm_scale`,
+      `c_norm_scale`, from 1), as Jamba's do.
     param_dtype: dtype of the parameters.
 
   References:
@@ -197,6 +208,7 @@ class Mamba(functional.LinenLayer):
   use_bias: bool = False
   use_conv_bias: bool = True
   selective_norm_eps: float | None = None
+  selective_norm_scale: bool = False
   param_dtype: jnp.dtype = jnp.float32
 
   # As in the Mamba code: A, D and the biases at the base learning rate without weight decay.

@@ -25,7 +25,8 @@ params = mamba.params
 
 def fits(model: Any) -> bool:
   """Whether `model`'s Mamba layers normalise their selective inputs, as Falcon-Mamba's do."""
-  return model.layer().selective_norm_eps is not None
+  layer = model.layer()
+  return layer.selective_norm_eps is not None and not layer.selective_norm_scale
 
 
 def options(fields: Fields) -> dict[str, Any]:

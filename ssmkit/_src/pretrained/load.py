@@ -15,6 +15,7 @@ from ssmkit._src.pretrained import (
     bamba,
     falcon_mamba,
     granitemoehybrid,
+    jamba,
     mamba,
     mamba2,
     nemotron_h,
@@ -31,7 +32,8 @@ from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
 ARCHITECTURES = {module.ARCHITECTURE: module
                  for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe,
-                               qwen3_next, bamba, nemotron_h, granitemoehybrid)}
+                               qwen3_next, bamba, nemotron_h, granitemoehybrid,
+                               jamba)}
 MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 
@@ -92,8 +94,9 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
     ['BambaForCausalLM', 'FalconMambaForCausalLM', 'GraniteMoeHybridForCausalLM',
-     'Mamba2ForCausalLM', 'MambaForCausalLM', 'NemotronHForCausalLM', 'Qwen3NextForCausalLM',
-     'Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM', 'RecurrentGemmaForCausalLM']
+     'JambaForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'NemotronHForCausalLM',
+     'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM',
+     'RecurrentGemmaForCausalLM']
   """
   check_float_dtype(dtype, "dtype")
   directory = checkpoint_directory(path_or_repo_id)

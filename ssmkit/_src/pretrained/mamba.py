@@ -60,32 +60,37 @@ def options(fields: Fields) -> dict[str, Any]:
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   features, layer = model.features, model.layer()
-  inner, n, k, rank = layer.expand * features, layer.d_state, layer.d_conv, layer.dt_rank
   tree: dict[str, Any] = {}
   for i in range(model.num_blocks):
     prefix = f"backbone.layers.{i}"
-    mixer = f"{prefix}.mixer"
-    linear = lambda name, out, into, mixer=mixer: tensors.take(f"{mixer}.{name}.weight", (out, into)).T
     tree[f"block_{i}"] = {
         "norm": {"RMSNorm_0": {"scale": tensors.take(f"{prefix}.norm.weight", (features,))}},
-        "mixer": {
-            "in_proj": linear("in_proj", 2 * inner, features),
-            "conv_kernel": tensors.take(f"{mixer}.conv1d.weight", (inner, 1, k))[:, 0, :].T,
-            "x_proj": linear("x_proj", rank + 2 * n, inner),
-            "dt_proj": linear("dt_proj", inner, rank),
-            "dt_bias": tensors.take(f"{mixer}.dt_proj.bias", (inner,)),
-            "A_log": tensors.take(f"{mixer}.A_log", (inner, n)),
-            "D": tensors.take(f"{mixer}.D", (inner,)),
-            "out_proj": linear("out_proj", features, inner),
-        },
+        "mixer": mixer_params(tensors, f"{prefix}.mixer", layer, features),
     }
-    if layer.use_conv_bias:
-      tree[f"block_{i}"]["mixer"]["conv_bias"] = tensors.take(f"{mixer}.conv1d.bias", (inner,))
-    if layer.use_bias:
-      tree[f"block_{i}"]["mixer"].update(
-          in_proj_bias=tensors.take(f"{mixer}.in_proj.bias", (2 * inner,)),
-          out_proj_bias=tensors.take(f"{mixer}.out_proj.bias", (features,)))
   return {**tree, **embedding_and_head(tensors, model)}
+
+
+def mixer_params(tensors: Tensors, where: str, layer: Mamba, features: int) -> dict[str, Any]:
+  """A Mamba mixer's parameters from `transformers`' tensors under `where` (Mamba's, Falcon-
+  Mamba's, and Jamba's with the scales of its selective norms)."""
+  inner, n, k = layer.expand * features, layer.d_state, layer.d_conv
+  rank = layer.dt_rank or math.ceil(features / 16)
+  take = lambda name, shape: tensors.take(f"{where}.{name}", shape)
+  mixer = {"in_proj": take("in_proj.weight", (2 * inner, features)).T,
+           "conv_kernel": take("conv1d.weight", (inner, 1, k))[:, 0, :].T,
+           "x_proj": take("x_proj.weight", (rank + 2 * n, inner)).T,
+           "dt_proj": take("dt_proj.weight", (inner, rank)).T,
+           "dt_bias": take("dt_proj.bias", (inner,)), "A_log": take("A_log", (inner, n)),
+           "D": take("D", (inner,)), "out_proj": take("out_proj.weight", (features, inner)).T}
+  if layer.use_conv_bias:
+    mixer["conv_bias"] = take("conv1d.bias", (inner,))
+  if layer.use_bias:
+    mixer.update(in_proj_bias=take("in_proj.bias", (2 * inner,)),
+                 out_proj_bias=take("out_proj.bias", (features,)))
+  if layer.selective_norm_scale:
+    mixer.update({f"{name}_norm_scale": take(f"{name}_layernorm.weight", (width,))
+                  for name, width in (("dt", rank), ("b", n), ("c", n))})
+  return mixer
 
 
 def embedding_and_head(tensors: Tensors, model: Any) -> dict[str, Any]:
@@ -151,20 +156,22 @@ def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
   """The checkpoint's block tensors from ssmkit's parameters of each block."""
   tensors = {}
   for i, block in enumerate(blocks):
-    prefix, mixer = f"backbone.layers.{i}", block["mixer"]
-    names = {"in_proj": mixer["in_proj"].T, "x_proj": mixer["x_proj"].T,
-             "dt_proj": mixer["dt_proj"].T, "out_proj": mixer["out_proj"].T}
-    tensors.update({f"{prefix}.mixer.{name}.weight": value for name, value in names.items()})
-    tensors.update({
-        f"{prefix}.norm.weight": block["norm"]["RMSNorm_0"]["scale"],
-        f"{prefix}.mixer.conv1d.weight": mixer["conv_kernel"].T[:, None, :],
-        f"{prefix}.mixer.dt_proj.bias": mixer["dt_bias"],
-        f"{prefix}.mixer.A_log": mixer["A_log"],
-        f"{prefix}.mixer.D": mixer["D"],
-    })
-    if "conv_bias" in mixer:
-      tensors[f"{prefix}.mixer.conv1d.bias"] = mixer["conv_bias"]
-    if "in_proj_bias" in mixer:
-      tensors[f"{prefix}.mixer.in_proj.bias"] = mixer["in_proj_bias"]
-      tensors[f"{prefix}.mixer.out_proj.bias"] = mixer["out_proj_bias"]
+    prefix = f"backbone.layers.{i}"
+    tensors[f"{prefix}.norm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
+    tensors.update({f"{prefix}.mixer.{name}": value
+                    for name, value in mixer_tensors(block["mixer"]).items()})
+  return tensors
+
+
+def mixer_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The tensors of `mixer_params`, by `transformers`' names inside the mixer's scope."""
+  tensors = {f"{name}.weight": mixer[name].T for name in ("in_proj", "x_proj", "dt_proj", "out_proj")}
+  tensors.update({"conv1d.weight": mixer["conv_kernel"].T[:, None, :],
+                  "dt_proj.bias": mixer["dt_bias"], "A_log": mixer["A_log"], "D": mixer["D"]})
+  if "conv_bias" in mixer:
+    tensors["conv1d.bias"] = mixer["conv_bias"]
+  if "in_proj_bias" in mixer:
+    tensors.update({"in_proj.bias": mixer["in_proj_bias"], "out_proj.bias": mixer["out_proj_bias"]})
+  tensors.update({f"{name}_layernorm.weight": mixer[f"{name}_norm_scale"]
+                  for name in ("dt", "b", "c") if f"{name}_norm_scale" in mixer})
   return tensors

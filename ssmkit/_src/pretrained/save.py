@@ -15,6 +15,7 @@ from ssmkit._src.pretrained import (
     bamba,
     falcon_mamba,
     granitemoehybrid,
+    jamba,
     mamba,
     mamba2,
     nemotron_h,
@@ -28,7 +29,7 @@ from ssmkit._src.pretrained.load import MODEL_TYPES, checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of.
 WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next,
-           granitemoehybrid, bamba, nemotron_h)
+           granitemoehybrid, bamba, jamba, nemotron_h)
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

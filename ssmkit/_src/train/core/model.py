@@ -110,6 +110,9 @@ POSITIVE = ("model.mlp_expansion", "model.logit_cap", "model.norm_eps")
 _MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "norm_eps", "activation", "mlp",
                   "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm", "scan_blocks",
                   "tie_embeddings", "decoder_bias", "scale_embeddings", "logit_cap")
+# The parameters trained without weight decay wherever they are: biases, norm scales,
+# embeddings, and a mixture of experts' score bias (in a block's MLP or a feed-forward layer).
+_NO_DECAY = ("bias", "scale", "embedding", *MixtureOfExperts.parameter_groups.no_decay)
 # Names of the layer's scope inside an `ssmkit.layers.SSMBlock` and a `MixerBlock`.
 _LAYER_SCOPES = ("ssm", "mixer")
 
@@ -327,8 +330,9 @@ def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
   """"ssm", "no_decay" or "decay" for every leaf of `params`, by its name and scope.
 
   Inside the layer of a block, the layer's `parameter_groups` decide: its recurrence
-  parameters are "ssm", its no-decay ones "no_decay". Elsewhere biases, norm scales and
-  embeddings are "no_decay" and every other parameter "decay".
+  parameters are "ssm", its no-decay ones "no_decay". Everywhere biases, norm scales (also
+  a layer's own `*_norm_scale`), embeddings and experts' score biases are "no_decay"; every
+  other parameter is "decay".
 
   Args:
     params: the "params" collection of a `SequenceModel` built with the layers `layer` names,
@@ -348,9 +352,8 @@ def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
     own = groups[_pattern_position(keys, len(groups))]
     if in_layer and keys[-1] in own.recurrence:
       return "ssm"
-    experts = "mlp_experts" in keys and keys[-1] in MixtureOfExperts.parameter_groups.no_decay
-    if ((in_layer and keys[-1] in own.no_decay) or experts
-        or keys[-1] in ("bias", "scale", "embedding")):
+    if ((in_layer and keys[-1] in own.no_decay) or keys[-1] in _NO_DECAY
+        or keys[-1].endswith("_norm_scale")):
       return "no_decay"
     return "decay"
 
