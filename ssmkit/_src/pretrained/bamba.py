@@ -106,23 +106,28 @@ def attention_options(fields: Fields) -> dict[str, Any]:
               use_bias=bool(fields.get("attention_bias", False)))
 
 
-def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
-  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
+def params(tensors: Tensors, fields: Fields, model: Any, *,
+           final_norm: str = "model.final_layernorm.weight", mlp_norm: str = "pre_ff_layernorm",
+           mlp: Any = None) -> dict[str, Any]:
+  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors.
+
+  `final_norm`, `mlp_norm` and `mlp(tensors, prefix, model)` name the final norm, the norm
+  before the MLP and read a block's MLP (Granite 4.0's differ); None: Bamba's.
+  """
   del fields
-  features, vocab = model.features, model.vocab_size
-  norm = lambda name: {"RMSNorm_0": {"scale": tensors.take(name, (features,))}}
+  features = model.features
+  norm = parts.norm_reader(tensors, features)
   width = mlp_width(features, model.mlp_expansion)
-  tree: dict[str, Any] = {
-      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
-      "final_norm": norm("model.final_layernorm.weight"),
-  }
+  mlp = mlp or (lambda tensors, prefix, model: parts.swiglu_params(
+      tensors, f"{prefix}.feed_forward", width, features, model.mlp_bias))
+  tree = parts.embedding_and_final_norm(tensors, model, final_norm)
   for i in range(model.num_blocks):
     prefix = f"model.layers.{i}"
     layer = model.layer[i % len(model.layer)]()
     tree[f"block_{i}"] = {
         "norm": norm(f"{prefix}.input_layernorm.weight"),
-        "mlp_norm": norm(f"{prefix}.pre_ff_layernorm.weight"),
-        **parts.swiglu_params(tensors, f"{prefix}.feed_forward", width, features, model.mlp_bias),
+        "mlp_norm": norm(f"{prefix}.{mlp_norm}.weight"),
+        **mlp(tensors, prefix, model),
         "mixer": (mamba2.mixer_params(tensors, f"{prefix}.mamba", layer, features)
                   if isinstance(layer, Mamba2)
                   else parts.attention_params(tensors, f"{prefix}.self_attn", layer, features)),
@@ -146,10 +151,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
             "attn_layer_indices": [i for i, kind in enumerate(mixer_kinds(model))
                                    if kind == "attention"],
             **mixer_fields(model, ARCHITECTURE)}
-  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.final_layernorm.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
-  if not model.tie_embeddings:
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  tensors = parts.embedding_norm_and_head_tensors(model, params, "model.final_layernorm.weight")
   for i, block in enumerate(blocks):
     prefix = f"model.layers.{i}"
     tensors[f"{prefix}.pre_ff_layernorm.weight"] = block["mlp_norm"]["RMSNorm_0"]["scale"]

@@ -22,10 +22,9 @@ from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import mlp_width
 from ssmkit._src.layers.experts import Experts
 from ssmkit._src.layers.mamba2 import Mamba2
-from ssmkit._src.pretrained import bamba, mamba2, parts
+from ssmkit._src.pretrained import bamba, parts
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
-from ssmkit._src.pretrained.mamba import head
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 MODEL_TYPE = "granitemoehybrid"  # what `transformers` reads to pick the architecture
@@ -89,29 +88,6 @@ def options(fields: Fields) -> dict[str, Any]:
               logits_scaling=float(fields.get("logits_scaling", 1.0)))
 
 
-def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
-  """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
-  del fields
-  features, vocab = model.features, model.vocab_size
-  norm = lambda name: {"RMSNorm_0": {"scale": tensors.take(name, (features,))}}
-  tree: dict[str, Any] = {
-      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
-      "final_norm": norm("model.norm.weight"),
-  }
-  for i in range(model.num_blocks):
-    prefix = f"model.layers.{i}"
-    layer = model.layer[i % len(model.layer)]()
-    tree[f"block_{i}"] = {
-        "norm": norm(f"{prefix}.input_layernorm.weight"),
-        "mlp_norm": norm(f"{prefix}.post_attention_layernorm.weight"),
-        **_mlp_params(tensors, prefix, model),
-        "mixer": (mamba2.mixer_params(tensors, f"{prefix}.mamba", layer, features)
-                  if isinstance(layer, Mamba2)
-                  else parts.attention_params(tensors, f"{prefix}.self_attn", layer, features)),
-    }
-  return {**tree, **head(tensors, model)}
-
-
 def _mlp_params(tensors: Tensors, prefix: str, model: Any) -> dict[str, Any]:
   """A block's shared SwiGLU (`shared_mlp`, [gate | up] in `input_linear`) and experts."""
   features = model.features
@@ -130,6 +106,10 @@ def _mlp_params(tensors: Tensors, prefix: str, model: Any) -> dict[str, Any]:
       "down": tensors.take(f"{where}.output_linear.weight",
                            (count, features, width)).transpose(0, 2, 1),
       "shared_gate": gate, "shared_up": up, "shared_down": down}}
+
+
+params = functools.partial(bamba.params, final_norm="model.norm.weight",
+                           mlp_norm="post_attention_layernorm", mlp=_mlp_params)
 
 
 def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
@@ -172,10 +152,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     layer = attentions[0]
     fields.update(attention_multiplier=layer.scale or (layer.head_dim or features // layer.num_heads)
                   ** -0.5, position_embedding_type="rope" if layer.rope_fraction else None)
-  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.norm.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
-  if not model.tie_embeddings:
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  tensors = parts.embedding_norm_and_head_tensors(model, params, "model.norm.weight")
   for i, block in enumerate(blocks):
     prefix = f"model.layers.{i}"
     tensors[f"{prefix}.post_attention_layernorm.weight"] = block["mlp_norm"]["RMSNorm_0"]["scale"]

@@ -99,12 +99,9 @@ def _every(fields: Fields, name: str, index: int) -> bool:
 def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   del fields
-  features, vocab = model.features, model.vocab_size
-  norm = lambda name: {"RMSNorm_0": {"scale": tensors.take(name, (features,))}}
-  tree: dict[str, Any] = {
-      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
-      "final_norm": norm("model.final_layernorm.weight"),
-  }
+  features = model.features
+  norm = parts.norm_reader(tensors, features)
+  tree = parts.embedding_and_final_norm(tensors, model, "model.final_layernorm.weight")
   for i in range(model.num_blocks // 2):
     prefix = f"model.layers.{i}"
     mixer, feed = (model.layer[j]() for j in (2 * i, 2 * i + 1))
@@ -188,10 +185,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
       fields["intermediate_size"] = layer.width or 4 * features
   if not any(f.kind == "experts" for f in feeds):
     fields["num_experts"] = 1
-  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.final_layernorm.weight": params["final_norm"]["RMSNorm_0"]["scale"]}
-  if not model.tie_embeddings:
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  tensors = parts.embedding_norm_and_head_tensors(model, params, "model.final_layernorm.weight")
   for i in range(layers):
     prefix, first, second = f"model.layers.{i}", blocks[2 * i], blocks[2 * i + 1]
     mixer = first["mixer"]

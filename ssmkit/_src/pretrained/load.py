@@ -27,13 +27,14 @@ from ssmkit._src.pretrained import (
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
 
+# The module of each architecture, in the order `save` prefers them where several express a
+# model (Granite's before Bamba's, whose models it extends).
+MODULES = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next,
+           granitemoehybrid, bamba, jamba, nemotron_h)
 # Each architecture ssmkit loads, by its `architectures` name in config.json, and by the
 # `model_type` that `transformers` reads to choose it: its own, and those of the larger
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
-ARCHITECTURES = {module.ARCHITECTURE: module
-                 for module in (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe,
-                               qwen3_next, bamba, nemotron_h, granitemoehybrid,
-                               jamba)}
+ARCHITECTURES = {module.ARCHITECTURE: module for module in MODULES}
 MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 

@@ -55,3 +55,28 @@ def swiglu_tensors(block: dict[str, Any]) -> dict[str, np.ndarray]:
     if "bias" in dense:
       tensors[f"{name}_proj.bias"] = dense["bias"]
   return tensors
+
+
+def norm_reader(tensors: Tensors, features: int, scope: str = "RMSNorm_0") -> Any:
+  """`read(name)`: the norm of `features` channels stored as `name`, as ssmkit's `Norm` holds
+  it (`scope`: "RMSNorm_0", or "RMSNormPlusOne_0" for the (1 + w) norms)."""
+  return lambda name: {scope: {"scale": tensors.take(name, (features,))}}
+
+
+def embedding_and_final_norm(tensors: Tensors, model: Any, final_norm: str,
+                             scope: str = "RMSNorm_0") -> dict[str, Any]:
+  """The `model.embed_tokens` embedding and the final norm stored as `final_norm` (the
+  `transformers` layout of Llama-like models); the head is `mamba.head`'s."""
+  return {"encoder": {"embedding": tensors.take("model.embed_tokens.weight",
+                                                (model.vocab_size, model.features))},
+          "final_norm": norm_reader(tensors, model.features, scope)(final_norm)}
+
+
+def embedding_norm_and_head_tensors(model: Any, params: dict[str, Any], final_norm: str,
+                                    scope: str = "RMSNorm_0") -> dict[str, np.ndarray]:
+  """The tensors of `embedding_and_final_norm`, and `lm_head` for an untied head."""
+  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
+             final_norm: params["final_norm"][scope]["scale"]}
+  if not model.tie_embeddings:
+    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  return tensors

@@ -133,12 +133,9 @@ def params(tensors: Tensors, fields: Fields, model: Any, *, deltanet: Any = None
   """
   del fields
   deltanet, mlp = deltanet or deltanet_params, mlp or swiglu
-  features, vocab = model.features, model.vocab_size
-  norm = lambda name: {"RMSNormPlusOne_0": {"scale": tensors.take(name, (features,))}}
-  tree: dict[str, Any] = {
-      "encoder": {"embedding": tensors.take("model.embed_tokens.weight", (vocab, features))},
-      "final_norm": norm("model.norm.weight"),
-  }
+  features = model.features
+  norm = parts.norm_reader(tensors, features, "RMSNormPlusOne_0")
+  tree = parts.embedding_and_final_norm(tensors, model, "model.norm.weight", "RMSNormPlusOne_0")
   for i in range(model.num_blocks):
     prefix = f"model.layers.{i}"
     layer = model.layer[i % len(model.layer)]()
@@ -249,10 +246,8 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
   if attentions:
     layer = attentions[0]
     fields.update(attention_fields(layer, features, eps))
-  tensors = {"model.embed_tokens.weight": params["encoder"]["embedding"],
-             "model.norm.weight": params["final_norm"]["RMSNormPlusOne_0"]["scale"]}
-  if not model.tie_embeddings:
-    tensors["lm_head.weight"] = params["decoder"]["kernel"].T
+  tensors = parts.embedding_norm_and_head_tensors(model, params, "model.norm.weight",
+                                                  "RMSNormPlusOne_0")
   for i, block in enumerate(blocks):
     prefix, mixer = f"model.layers.{i}", block["mixer"]
     tensors[f"{prefix}.input_layernorm.weight"] = block["norm"]["RMSNormPlusOne_0"]["scale"]

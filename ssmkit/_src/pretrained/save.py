@@ -11,25 +11,12 @@ import jax
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
-from ssmkit._src.pretrained import (
-    bamba,
-    falcon_mamba,
-    granitemoehybrid,
-    jamba,
-    mamba,
-    mamba2,
-    nemotron_h,
-    qwen3_5,
-    qwen3_5_moe,
-    qwen3_next,
-    recurrent_gemma,
-)
 from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
-from ssmkit._src.pretrained.load import MODEL_TYPES, checkpoint_directory
+from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
 
-# The architectures `save` writes, each with the layers its models are made of.
-WRITTEN = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next,
-           granitemoehybrid, bamba, jamba, nemotron_h)
+# The architectures `save` writes, each with the layers its models are made of, in the order
+# it prefers them.
+WRITTEN = MODULES
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
