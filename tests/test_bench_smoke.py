@@ -108,6 +108,8 @@ def test_bench_training_small_times_a_config_and_shards_the_memory(capsys):
   # norm scales of widths fsdp does not divide) above 1/fsdp of the whole.
   for n, mib in held.items():
     assert held[1] / n <= mib < held[1] / n + 0.02 * held[1]
+  # The families of ssmkit.pretrained, built as load builds them, compile for the same mesh.
+  assert re.search(r"\nQwen3-Next +[\d,]+ +[\d.]+ ", out) and re.search(r"\nNemotron-H +[\d,]+ ", out)
   assert cli.main([*args, "--configs", "lm_gru"]) == 2
   assert "`--configs` ['lm_gru'] are not shipped lm configs" in capsys.readouterr().err
 

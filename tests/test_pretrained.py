@@ -14,6 +14,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from safetensors.flax import save_file as save_jax
@@ -22,6 +23,8 @@ from safetensors.numpy import load_file, save_file
 import ssmkit.nnx as snx
 import ssmkit.pretrained
 from ssmkit import cli, layers, train
+from ssmkit._src.pretrained import qwen3_5
+from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.train.lm import train as lm_train
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
@@ -267,6 +270,19 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(name, change, message, t
     ssmkit.pretrained.load(folder)
 
 
+def test_a_qwen_config_without_layer_types_attends_every_fourth_layer(tmp_path):
+  """As transformers fills `layer_types` in (`full_attention_interval`, 4 by default)."""
+  folder = _copy(tmp_path, "qwen3_5_text")
+  _drop_config_field(folder, "layer_types")
+  model, variables, _ = ssmkit.pretrained.load(folder)
+  expected = _expected("qwen3_5_text")
+  assert _relative_error(jax.jit(model.apply)(variables, expected["input_ids"]),
+                         expected["logits"]) < 1e-4
+  values = {**json.loads((folder / "config.json").read_text()), "full_attention_interval": 2}
+  pattern = qwen3_5.options(Fields(values, folder))["layer"]
+  assert [make.func.__name__ for make in pattern] == ["GatedDeltaNet", "Attention"] * 2
+
+
 def test_a_nemotron_h_pattern_string_gives_the_same_model(tmp_path):
   """The hub's Nemotron-H configs give the pattern as `hybrid_override_pattern`."""
   folder = _copy(tmp_path, "nemotron_h")
@@ -470,15 +486,15 @@ def _word_corpus(folder, seed=4):
 
 @pytest.mark.parametrize("name", FINE_TUNED)
 def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, capsys):
-  """load -> `ssmkit train` a few steps -> `ssmkit export`: the folder holds the checkpoint's own
-  tensors by transformers' names (those of the fixture transformers wrote) with the fine-tuned
-  values, its config fields, tokenizer and generation config, and loads back to the run's
-  logits bit for bit; where torch and transformers are installed, transformers loads it to the
-  same logits."""
+  """load -> `ssmkit train` a few steps, its loss falling -> `ssmkit export`: the folder holds
+  the checkpoint's own tensors by transformers' names (those of the fixture transformers wrote)
+  with the fine-tuned values, its config fields, tokenizer and generation config, and loads
+  back to the run's logits bit for bit; where torch and transformers are installed,
+  transformers loads it to the same logits."""
   overrides = [f"model.pretrained={FIXTURES / name}", f"data.path={_word_corpus(tmp_path / 'c')}",
                "data.seq_len=16", "data.batch_size=2", "data.validation_fraction=0.3",
-               "optimizer.warmup_steps=0", "optimizer.learning_rate=0.01", "train.steps=3",
-               "train.log_every=3", "train.eval_every=0", "mesh.data=1"]
+               "optimizer.warmup_steps=0", "optimizer.learning_rate=0.01", "train.steps=4",
+               "train.log_every=4", "train.eval_every=0", "mesh.data=1"]
   workdir, out = tmp_path / "run", tmp_path / "out"
   with jax.enable_x64(False):
     assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
@@ -489,6 +505,14 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
     logits = np.asarray(jax.jit(model.apply)(variables, tokens))
     np.testing.assert_array_equal(jax.jit(loaded.apply)(again, tokens), logits)
   jax.tree.map(np.testing.assert_array_equal, again, jax.device_get(variables))
+  # The corpus's words t3 ... t95 are the tokens 3 ... 95, uniformly drawn: on such text the
+  # fine-tuned model's next-token loss is below the checkpoint's.
+  text = np.random.default_rng(5).integers(3, 96, (8, 16))
+  fixture, weights, _ = ssmkit.pretrained.load(FIXTURES / name)
+  loss = lambda model, variables: float(optax.softmax_cross_entropy_with_integer_labels(
+      jax.jit(model.apply)(variables, text[:, :-1]), text[:, 1:]).mean())
+  with jax.enable_x64(False):
+    assert loss(model, variables) < loss(fixture, weights)
   original = load_file(FIXTURES / name / "model.safetensors")
   written = load_file(out / "model.safetensors")
   assert sorted(written) == sorted(original)

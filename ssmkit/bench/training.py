@@ -12,6 +12,11 @@ is compiled, not run, for a train step of one 2048-token row per device on meshe
 `data` x `fsdp` devices: the parameters and AdamW state each device holds (from the run's own
 shardings, `mesh.fsdp`), and XLA's arguments and temporary buffers of the compiled step per
 device.
+
+Families: a model of about 1B parameters of each family `ssmkit.pretrained` loads (its
+config.json fields in `FAMILIES`, built as `load` builds it, blocks under `nn.scan`) is
+compiled the same way, fully sharded over every device, as a fine-tuning run from such a
+checkpoint trains it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssmkit import data, train
+from ssmkit import data, layers, train
+from ssmkit._src.layers.model import layer_pattern
+from ssmkit._src.layers.registry import registry_name
+from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.load import MODEL_TYPES
 from ssmkit._src.train.core import parallel
 from ssmkit._src.train.core.model import build_model, layer_names
 from ssmkit._src.train.supervised.optim import make_optimizer
@@ -43,15 +52,63 @@ LARGE: dict[str, tuple[str, ...]] = {
     "small": ("model.features=16", "model.num_blocks=2", "model.scan_blocks=true",
               "data.seq_len=16"),
 }
+# A model of about 1B parameters of each family `ssmkit.pretrained` loads, as its config.json
+# fields (a vocabulary of 32,000), and the families of the "small" suite (shrunk to seconds).
+_WIDE = {"vocab_size": 32000, "hidden_size": 2048, "rms_norm_eps": 1e-6}
+_MAMBA2 = {"mamba_n_heads": 64, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+           "mamba_d_conv": 4, "mamba_expand": 2}
+_QWEN = {**_WIDE, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+         "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+         "linear_value_head_dim": 128}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Qwen3.5": ("qwen3_5_text", {**_QWEN, "num_hidden_layers": 16, "intermediate_size": 6144}),
+    "Qwen3-Next": ("qwen3_next", {**_QWEN, "num_hidden_layers": 8, "intermediate_size": 6144,
+                                  "num_experts": 32, "num_experts_per_tok": 4,
+                                  "moe_intermediate_size": 512,
+                                  "shared_expert_intermediate_size": 1024}),
+    "Bamba": ("bamba", {**_WIDE, **_MAMBA2, "num_hidden_layers": 24, "intermediate_size": 4096,
+                        "num_attention_heads": 16, "num_key_value_heads": 4,
+                        "attn_layer_indices": [6, 12, 18]}),
+    "Granite 4.0": ("granitemoehybrid", {
+        **_WIDE, **_MAMBA2, "num_hidden_layers": 12, "intermediate_size": 512,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "num_local_experts": 16,
+        "num_experts_per_tok": 4, "shared_intermediate_size": 1024,
+        "position_embedding_type": "rope", "layer_types": ["linear_attention"] * 5
+        + ["full_attention"] + ["linear_attention"] * 5 + ["full_attention"]}),
+    "Nemotron-H": ("nemotron_h", {
+        **_WIDE, "hybrid_override_pattern": "M-M-M*-M-M-M*-M-M-M*-", "intermediate_size": 8192,
+        "mlp_hidden_act": "relu2", "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 128, "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8,
+        "ssm_state_size": 128}),
+    "Jamba": ("jamba", {**_WIDE, "num_hidden_layers": 8, "intermediate_size": 4096,
+                        "num_attention_heads": 16, "num_key_value_heads": 4, "num_experts": 8,
+                        "num_experts_per_tok": 2, "attn_layer_period": 4,
+                        "attn_layer_offset": 2, "expert_layer_period": 2,
+                        "expert_layer_offset": 1}),
+}
+_SMALL_FAMILIES = {"Qwen3-Next": {"hidden_size": 32, "head_dim": 16, "linear_key_head_dim": 8,
+                                  "linear_value_head_dim": 8, "num_hidden_layers": 4,
+                                  "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8},
+                   "Nemotron-H": {"hidden_size": 32, "hybrid_override_pattern": "ME*-",
+                                  "intermediate_size": 16, "head_dim": 8, "mamba_num_heads": 4,
+                                  "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8,
+                                  "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 8,
+                                  "moe_shared_expert_intermediate_size": 8}}
 _HOW_TO_GET_DEVICES = "XLA_FLAGS=--xla_force_host_platform_device_count=8 ssmkit bench training"
 _MIB = 2**20
 
 
-def _setup(config: Any) -> tuple[Any, dict[str, jax.Array]]:
-  """The initial train state of `config`'s model and optimizer, and a batch of its shape."""
-  vocab = data.ByteTokenizer().vocab_size
-  model = build_model(config.model, vocab, vocab)
-  tx = make_optimizer(config.optimizer, layer_names(config.model), config.train.steps)
+def _setup(config: Any, model: Any = None) -> tuple[Any, dict[str, jax.Array]]:
+  """The initial train state of `config`'s model (or of `model`, a pretrained family's) and
+  optimizer, and a batch of its shape."""
+  if model is None:
+    vocab = data.ByteTokenizer().vocab_size
+    model, kinds = build_model(config.model, vocab, vocab), layer_names(config.model)
+  else:
+    vocab, kinds = model.vocab_size, tuple(registry_name(make) for make in
+                                           layer_pattern(model.layer))
+  tx = make_optimizer(config.optimizer, kinds, config.train.steps)
   shape = (config.data.batch_size, config.data.seq_len)
   keys = jax.random.split(jax.random.key(0), 3)
   tokens = jax.random.randint(keys[0], shape, 0, vocab)
@@ -95,11 +152,23 @@ def _held_bytes(tree: Any, shardings: Any) -> int:
   return sum(jax.tree.leaves(held))
 
 
-def _memory_row(config: Any, devices: list[jax.Device], fsdp: int) -> tuple[str, ...]:
-  """Compiles the train step of `config` on a data x fsdp mesh of `devices`, without running it."""
+def _family_model(name: str, shapes: str) -> Any:
+  """The `SequenceModel` of the family `name` (blocks under `nn.scan`), as `ssmkit.pretrained`
+  builds it from the config.json fields of `FAMILIES` (shrunk for the "small" suite)."""
+  model_type, values = FAMILIES[name]
+  if shapes == "small":
+    values = {**values, **_SMALL_FAMILIES[name], "vocab_size": 64}
+  options = MODEL_TYPES[model_type].options(Fields(values, f"FAMILIES[{name!r}]"))
+  return layers.SequenceModel(**options, scan_blocks=True)
+
+
+def _memory_row(config: Any, devices: list[jax.Device], fsdp: int, model: Any = None
+                ) -> tuple[str, ...]:
+  """Compiles the train step of `config` (of `model` if given) on a data x fsdp mesh of
+  `devices`, without running it."""
   mesh = parallel.make_mesh(parallel.MeshConfig(data=len(devices) // fsdp, fsdp=fsdp),
                             len(devices), "rows")
-  abstract = jax.eval_shape(lambda: _setup(config))
+  abstract = jax.eval_shape(lambda: _setup(config, model))
   state, batch = abstract
   shardings = parallel.state_shardings(mesh, state)
   split = parallel.split(mesh)
@@ -168,4 +237,16 @@ def run(*, shapes: str, repeats: int, markdown: bool, configs: list[str] | None 
                                 markdown=markdown)
   for fsdp in _timing.within_budget(fsdps, "training"):
     table.add([_memory_row(config, devices, fsdp)])
+  families = list(FAMILIES) if shapes == "full" else list(_SMALL_FAMILIES)
+  print()
+  print(f"Memory per device of a train step of a model of each family ssmkit.pretrained loads "
+        f"(about 1B parameters; blocks under nn.scan), one row of {config.data.seq_len} tokens "
+        f"per device, fully sharded over {len(devices)} device(s) (fsdp={len(devices)}).")
+  print()
+  table = _timing.StreamedTable(("family", "params", "params+Adam MiB", "XLA args MiB",
+                                 "XLA temp MiB"), [families], markdown=markdown)
+  for name in _timing.within_budget(families, "training"):
+    model = _family_model(name, shapes)
+    params = _count(jax.eval_shape(lambda model=model: _setup(config, model))[0].params)
+    table.add([(name, f"{params:,}", *_memory_row(config, devices, len(devices), model)[1:])])
   return 0

@@ -79,7 +79,10 @@ def pattern_options(fields: Fields) -> dict[str, Any]:
   fields.require("hidden_act", "silu")
   features, blocks = fields.int("hidden_size"), fields.int("num_hidden_layers")
   eps = fields.float("rms_norm_eps", 1e-6)
-  kinds = fields.get("layer_types", ["linear_attention"] * 3 + ["full_attention"])
+  # As transformers fills it in: every `full_attention_interval`-th layer attends.
+  interval = fields.int("full_attention_interval", 4)
+  kinds = fields.get("layer_types", ["full_attention" if (i + 1) % interval == 0
+                                     else "linear_attention" for i in range(blocks)])
   unknown = sorted(set(kinds) - set(_KINDS.values()))
   if unknown or len(kinds) != blocks:
     raise CheckpointError(f"{fields.source}: `layer_types` must give 'linear_attention' or "
