@@ -397,6 +397,9 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
                      match=r"a Qwen3_5MoeForCausalLM routes by softmax without scaling"):
     ssmkit.pretrained.save(moe.clone(experts=dataclasses.replace(moe.experts, routed_scale=2.0)),
                            experts, tmp_path / "out")
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"to SwiGLU experts"):
+    ssmkit.pretrained.save(moe.clone(experts=dataclasses.replace(moe.experts, activation="relu2")),
+                           experts, tmp_path / "out")
 
 
 def _transformers():

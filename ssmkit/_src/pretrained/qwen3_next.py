@@ -134,11 +134,12 @@ def experts_checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[st
     CheckpointError: naming the mixture's option that the architecture does not have.
   """
   config = model.experts
-  if (config.scoring, config.routed_scale, config.score_bias, config.groups) != (
-      "softmax", 1.0, False, 1) or not config.shared_width or not config.shared_gate:
+  if (config.scoring, config.routed_scale, config.score_bias, config.groups,
+      config.activation) != ("softmax", 1.0, False, 1, "swiglu") or not (
+          config.shared_width and config.shared_gate):
     raise CheckpointError(f"`model.experts`={config!r}: a {architecture} routes by softmax without "
-                          "scaling, bias or groups, beside a gated shared expert (shared_width > "
-                          "0, shared_gate=True).")
+                          "scaling, bias or groups to SwiGLU experts, beside a gated shared "
+                          "expert (shared_width > 0, shared_gate=True).")
   fields, tensors = qwen3_5.checkpoint(model, blocks, params, deltanet=deltanet,
                                        mlp=experts_tensors)
   fields.update(num_experts=config.num_experts, num_experts_per_tok=config.top_k,
