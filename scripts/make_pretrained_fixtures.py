@@ -138,6 +138,14 @@ CONFIGS = {
         expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2,
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Gated short convolutions, then attention with per-head q/k norms, then a convolution;
+    # the MLP width adjusted (2/3 of 96, to a multiple of 16: 64); a tied head.
+    "lfm2": transformers.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention",
+                                                                   "conv"],
+        conv_L_cache=3, block_multiple_of=16, norm_eps=1e-5, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

@@ -177,7 +177,7 @@ def _equations(jaxpr):
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
 PROJECTING = frozenset({"FeedForward", "Mamba", "Mamba2", "Mamba3", "GatedDeltaNet",
                         "KimiDeltaAttention", "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU",
-                        "Attention"})
+                        "Attention", "ShortConv"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -499,9 +499,10 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
 
 def _state_size_option(layer: type) -> str:
   """The option that sizes a layer's state: `d_state`, attention's `cache_size` or RWKV-7's
-  `head_dim`; a feed-forward layer's hidden `width`."""
+  `head_dim`; a feed-forward layer's hidden `width`; a short convolution's taps."""
   fields = {f.name for f in dataclasses.fields(layer)}
-  return next(name for name in ("d_state", "cache_size", "head_dim", "width") if name in fields)
+  return next(name for name in ("d_state", "cache_size", "head_dim", "width", "d_conv")
+              if name in fields)
 
 
 @pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))

@@ -38,10 +38,14 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                  "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM"}
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM",
+                 "lfm2": "Lfm2ForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+# The config fields `save` writes in another form that gives the same model: LFM2's MLP width
+# as it is (`transformers` computes it from `intermediate_size` and three more fields).
+REWRITTEN = {"lfm2": ("intermediate_size", "block_auto_adjust_ff_dim")}
 # The fixtures a run fine-tunes and saves back to their own tensors and config: every type of
 # `ssmkit.pretrained`'s first release, and one per way the later ones build their blocks
 # (experts as the block's MLP; MLP and experts blocks). `load` checks that every model's
@@ -140,7 +144,7 @@ def _edit_weights(folder, edit):
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
          r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, granitemoehybrid, "
-         r"jamba, mamba, mamba2, "
+         r"jamba, lfm2, mamba, mamba2, "
          r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
          r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
@@ -254,6 +258,10 @@ def _edit_text_config(folder, **changes):
          r"`mamba_proj_bias`=True is not supported"),
         ("jamba", lambda f: _edit_config(f, num_experts_per_tok=5),
          r"gives experts ssmkit cannot build: `top_k`=5 must be at most `num_experts`=4"),
+        ("lfm2", lambda f: _edit_config(f, layer_types=["conv", "mamba", "conv"]),
+         r"`layer_types` must give 'conv' or 'full_attention' for each of the 3 layers"),
+        ("lfm2", lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn"}),
+         r"`rope_parameters.rope_type`='yarn' is not supported"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -349,7 +357,7 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
     assert written["architectures"] == [SAVED_AS[name]]
     own = config.get("text_config", config)  # an image-text checkpoint's language model
     assert all(written[key] == own[key] for key in written
-               if key in own and key not in ("dtype", "architectures"))
+               if key in own and key not in ("dtype", "architectures", *REWRITTEN.get(name, ())))
   # Blocks under nn.scan are saved one by one.
   ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned",
                          architecture=SAVED_AS[name])

@@ -19,6 +19,7 @@ from ssmkit._src.layers.rglru import RGLRU, RGLRUState
 from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
+from ssmkit._src.layers.short_conv import ShortConv
 
 __all__ = [
     "LRU",
@@ -43,6 +44,7 @@ __all__ = [
     "RGLRUState",
     "SSMBlock",
     "SequenceModel",
+    "ShortConv",
     "ValueResidual",
     "generate",
 ]

@@ -28,6 +28,7 @@ from ssmkit._src.nnx.layers import (  # noqa: E402
     Mamba2,
     Mamba3,
     MinGRU,
+    ShortConv,
     front_end,
 )
 from ssmkit._src.nnx.model import SequenceModel, generate  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "MixerBlock",
     "SSMBlock",
     "SequenceModel",
+    "ShortConv",
     "from_linen",
     "front_end",
     "generate",

@@ -28,6 +28,7 @@ from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
 from ssmkit._src.layers.s5 import S5
+from ssmkit._src.layers.short_conv import ShortConv
 
 
 class Entry(NamedTuple):
@@ -73,6 +74,7 @@ LAYERS: dict[str, Entry] = {
     )),
     "feed_forward": Entry(FeedForward, ({"kind": "swiglu", "width": 6},
                                         {"kind": "relu2", "width": 5})),
+    "short_conv": Entry(ShortConv, ({"d_conv": 3},)),
 }
 
 

@@ -32,6 +32,7 @@ from ssmkit._src.layers.rglru import RGLRU as _RGLRU
 from ssmkit._src.layers.rwkv7 import RWKV7 as _RWKV7
 from ssmkit._src.layers.s4d import S4D as _S4D
 from ssmkit._src.layers.s5 import S5 as _S5
+from ssmkit._src.layers.short_conv import ShortConv as _ShortConv
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
@@ -193,3 +194,4 @@ RWKV7 = front_end(_RWKV7)
 RGLRU = front_end(_RGLRU)
 MinGRU = front_end(_MinGRU)
 FeedForward = front_end(_FeedForward)
+ShortConv = front_end(_ShortConv)
