@@ -156,8 +156,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     prefix = f"model.layers.{i}"
     tensors[f"{prefix}.pre_ff_layernorm.weight"] = block["mlp_norm"]["RMSNorm_0"]["scale"]
     tensors.update(mixer_tensors(prefix, block))
-    tensors.update({f"{prefix}.feed_forward.{name}": value
-                    for name, value in parts.swiglu_tensors(block).items()})
+    tensors.update(parts.scoped(f"{prefix}.feed_forward", parts.swiglu_tensors(block)))
   return fields, tensors
 
 
@@ -219,7 +218,7 @@ def mixer_tensors(prefix: str, block: dict[str, Any]) -> dict[str, np.ndarray]:
   place, named = (("mamba", mamba2.mixer_tensors(mixer)) if "A_log" in mixer
                   else ("self_attn", parts.attention_tensors(mixer)))
   return {f"{prefix}.input_layernorm.weight": block["norm"]["RMSNorm_0"]["scale"],
-          **{f"{prefix}.{place}.{name}": value for name, value in named.items()}}
+          **parts.scoped(f"{prefix}.{place}", named)}
 
 
 def _mamba_settings(layer: Mamba2) -> tuple[Any, ...]:

@@ -193,9 +193,8 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
                     else ("self_attn", parts.attention_tensors(mixer)))
     tensors[f"{prefix}.input_layernorm.weight"] = first["norm"]["RMSNorm_0"]["scale"]
     tensors[f"{prefix}.pre_ff_layernorm.weight"] = second["norm"]["RMSNorm_0"]["scale"]
-    tensors.update({f"{prefix}.{place}.{name}": value for name, value in named.items()})
-    tensors.update({f"{prefix}.feed_forward.{name}": value
-                    for name, value in _feed_forward_tensors(second["mixer"]).items()})
+    tensors.update(parts.scoped(f"{prefix}.{place}", named))
+    tensors.update(parts.scoped(f"{prefix}.feed_forward", _feed_forward_tensors(second["mixer"])))
   return fields, tensors
 
 

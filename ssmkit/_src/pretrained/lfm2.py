@@ -189,7 +189,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
       named = parts.attention_tensors(mixer)
       named["out_proj.weight"] = named.pop("o_proj.weight")
       named.update({"q_layernorm.weight": mixer["q_norm"], "k_layernorm.weight": mixer["k_norm"]})
-      tensors.update({f"{prefix}.self_attn.{name}": value for name, value in named.items()})
+      tensors.update(parts.scoped(f"{prefix}.self_attn", named))
   return fields, tensors
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ssmkit._src.layers.mamba import Mamba
+from ssmkit._src.pretrained import parts
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
@@ -120,7 +121,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """`(config.json fields, tensors)` of a Mamba model: its blocks' parameters `blocks` and the
   rest of `params`."""
-  tensors = {**_block_tensors(blocks), **head_tensors(model, params)}
+  tensors = {**block_tensors(blocks, mixer_tensors), **head_tensors(model, params)}
   layer = model.layer()
   return {"model_type": "mamba", "hidden_size": model.features, "state_size": layer.d_state,
           "num_hidden_layers": model.num_blocks, "expand": layer.expand,
@@ -152,14 +153,14 @@ def head_tensors(model: Any, params: dict[str, Any]) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-  """The checkpoint's block tensors from ssmkit's parameters of each block."""
+def block_tensors(blocks: list[dict[str, Any]], mixer: Any) -> dict[str, np.ndarray]:
+  """The checkpoint's block tensors of Mamba's layout (`backbone.layers.{i}.norm`, `.mixer.*`)
+  from ssmkit's parameters of each block, `mixer(params)` naming the mixer's tensors."""
   tensors = {}
   for i, block in enumerate(blocks):
     prefix = f"backbone.layers.{i}"
     tensors[f"{prefix}.norm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
-    tensors.update({f"{prefix}.mixer.{name}": value
-                    for name, value in mixer_tensors(block["mixer"]).items()})
+    tensors.update(parts.scoped(f"{prefix}.mixer", mixer(block["mixer"])))
   return tensors
 
 

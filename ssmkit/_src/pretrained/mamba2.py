@@ -152,18 +152,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
           "time_step_limit": written_limit(layer.dt_limit),
           "use_bias": False, "use_conv_bias": layer.use_conv_bias, "hidden_act": "silu",
           "residual_in_fp32": True, **fields}, {
-              **_block_tensors(blocks), **mamba.head_tensors(model, params)}
-
-
-def _block_tensors(blocks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-  """The checkpoint's block tensors from ssmkit's parameters of each block."""
-  tensors = {}
-  for i, block in enumerate(blocks):
-    prefix = f"backbone.layers.{i}"
-    tensors[f"{prefix}.norm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
-    tensors.update({f"{prefix}.mixer.{name}": value
-                    for name, value in mixer_tensors(block["mixer"]).items()})
-  return tensors
+              **mamba.block_tensors(blocks, mixer_tensors), **mamba.head_tensors(model, params)}
 
 
 def mixer_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:

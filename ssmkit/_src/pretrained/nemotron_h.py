@@ -210,7 +210,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     tensors[f"{prefix}.norm.weight"] = block["norm"]["RMSNorm_0"]["scale"]
     named = {"mamba": mamba2.mixer_tensors, "attention": parts.attention_tensors,
              "mlp": _mlp_tensors, "moe": _experts_tensors}[kinds[i]](mixer)
-    tensors.update({f"{prefix}.mixer.{name}": value for name, value in named.items()})
+    tensors.update(parts.scoped(f"{prefix}.mixer", named))
   return fields, tensors
 
 

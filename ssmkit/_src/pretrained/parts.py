@@ -47,7 +47,7 @@ def swiglu_params(tensors: Tensors, where: str, width: int, features: int, bias:
 
 
 def swiglu_tensors(block: dict[str, Any]) -> dict[str, np.ndarray]:
-  """The tensors of `swiglu_params`."""
+  """The tensors of `swiglu_params` (of any gated MLP's three projections, GeGLU's too)."""
   tensors = {}
   for name in ("gate", "up", "down"):
     dense = block[f"mlp_{name}"]
@@ -80,3 +80,8 @@ def embedding_norm_and_head_tensors(model: Any, params: dict[str, Any], final_no
   if not model.tie_embeddings:
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
   return tensors
+
+
+def scoped(scope: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """`tensors` named inside `scope`: "{scope}.{name}"."""
+  return {f"{scope}.{name}": value for name, value in tensors.items()}

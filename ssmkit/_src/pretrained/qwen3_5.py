@@ -259,7 +259,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
     place, named = (("linear_attn", deltanet(mixer, made[i % len(made)])) if "A_log" in mixer
                     else ("self_attn", attention_tensors(mixer)))
     for where, values in ((place, named), ("mlp", mlp(block))):
-      tensors.update({f"{prefix}.{where}.{name}": value for name, value in values.items()})
+      tensors.update(parts.scoped(f"{prefix}.{where}", values))
   return fields, tensors
 
 

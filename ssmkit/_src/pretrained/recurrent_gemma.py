@@ -19,6 +19,7 @@ import numpy as np
 
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.rglru import RGLRU
+from ssmkit._src.pretrained import parts
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 from ssmkit._src.pretrained.mamba import head
@@ -195,11 +196,9 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     prefix, mixer = f"model.layers.{i}", block["mixer"]
     tensors[f"{prefix}.temporal_pre_norm.weight"] = gemma(block["norm"])
     tensors[f"{prefix}.channel_pre_norm.weight"] = gemma(block["mlp_norm"])
-    for name in ("gate", "up", "down"):
-      tensors[f"{prefix}.mlp_block.{name}_proj.weight"] = block[f"mlp_{name}"]["kernel"].T
-      tensors[f"{prefix}.mlp_block.{name}_proj.bias"] = block[f"mlp_{name}"]["bias"]
-    tensors.update({f"{prefix}.temporal_block.{name}": value for name, value in (
-        _rglru_tensors(mixer) if "a_param" in mixer else _attention_tensors(mixer)).items()})
+    tensors.update(parts.scoped(f"{prefix}.mlp_block", parts.swiglu_tensors(block)))
+    tensors.update(parts.scoped(f"{prefix}.temporal_block", _rglru_tensors(mixer)
+                                if "a_param" in mixer else _attention_tensors(mixer)))
   return fields, tensors
 
 
