@@ -23,9 +23,11 @@ ModuleDef = Callable[..., nn.Module]
 NORMS = ("layer", "batch", "rms", "rms_plus_one")
 ACTIVATIONS = ("gelu", "glu", "half_glu")
 MLPS = ("none", "gelu", "geglu", "swiglu", "experts")
-# The activation of each MLP; the gated ones multiply it by a second projection.
+# The activation of each MLP; the gated ones multiply it by a second projection. ("relu2",
+# relu(u)^2, is Nemotron-H's, which `ssmkit.layers.FeedForward` takes.)
 _MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "gelu": jax.nn.gelu, "geglu": jax.nn.gelu, "swiglu": jax.nn.silu}
+    "gelu": jax.nn.gelu, "geglu": jax.nn.gelu, "swiglu": jax.nn.silu,
+    "relu2": lambda u: jnp.square(jax.nn.relu(u))}
 
 
 def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
@@ -114,8 +116,9 @@ def mlp_width(features: int, expansion: float) -> int:
 
 def feed_forward(x: Array, kind: str, *, up: Callable[[Array], Array],
                  gate: Callable[[Array], Array] | None, down: Callable[[Array], Array]) -> Array:
-  """The MLP `kind` of `MLPS` (not "none"): down(gelu(up(x))), or down(act(gate(x)) * up(x))
-  with GELU ("geglu") or SiLU ("swiglu"); `gate` is None for "gelu"."""
+  """The MLP `kind` of `MLPS` (not "none") or "relu2": down(act(up(x))) with GELU ("gelu") or
+  relu(u)^2 ("relu2"), or down(act(gate(x)) * up(x)) with GELU ("geglu") or SiLU ("swiglu");
+  `gate` is None for "gelu" and "relu2"."""
   activation = _MLP_ACTIVATIONS[kind]
   hidden = activation(up(x)) if gate is None else activation(gate(x)) * up(x)
   return down(hidden)

@@ -5,7 +5,7 @@ with that MLP computes)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ssmkit._src.layers import common, functional
+from ssmkit._src.layers.block import feed_forward
 from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.experts import Experts, mixture, sow_balance
 from ssmkit._src.layers.experts import param_specs as experts_specs
@@ -21,9 +22,6 @@ from ssmkit._src.modes import Mode
 Array = jax.Array
 
 KINDS = ("gelu", "geglu", "swiglu", "relu2", "experts")
-# The activation of each dense kind; the gated ones multiply it by a second projection.
-_ACTIVATIONS = {"gelu": jax.nn.gelu, "geglu": jax.nn.gelu, "swiglu": jax.nn.silu,
-                "relu2": lambda u: jnp.square(jax.nn.relu(u))}
 
 
 def _width(cfg: Any, features: int) -> int:
@@ -74,15 +72,16 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
     sow_balance(cfg, cfg.experts, balance)  # cfg is the layer of either front end
     return y.astype(x.dtype), ()
 
-  def dense(u: Array, name: str) -> Array:
-    u = common.project(u, params[f"{name}_proj"], dtype)
-    bias = params.get(f"{name}_bias")
-    return u if bias is None else u + common.leading_ones(bias, u.ndim)
+  def dense(name: str) -> Callable[[Array], Array]:
+    def apply(u: Array) -> Array:
+      u = common.project(u, params[f"{name}_proj"], dtype)
+      bias = params.get(f"{name}_bias")
+      return u if bias is None else u + common.leading_ones(bias, u.ndim)
+    return apply
 
-  hidden = _ACTIVATIONS[cfg.kind](dense(x, "up" if "gate_proj" not in params else "gate"))
-  if "gate_proj" in params:
-    hidden = hidden * dense(x, "up")
-  return dense(hidden, "down").astype(x.dtype), ()
+  y = feed_forward(x, cfg.kind, up=dense("up"), down=dense("down"),
+                   gate=dense("gate") if "gate_proj" in params else None)
+  return y.astype(x.dtype), ()
 
 
 def step(cfg: Any, params: dict[str, Array], state: tuple[()], x_t: Array,

@@ -121,20 +121,9 @@ def _conv_params(take: Any, layer: ShortConv, features: int) -> dict[str, Any]:
 def _attention_params(tensors: Tensors, where: str, layer: Attention, features: int
                       ) -> dict[str, Any]:
   """Attention's projections (its output one named `out_proj`) and per-head norms."""
-  renamed = _Renamed(tensors, {f"{where}.o_proj.weight": f"{where}.out_proj.weight"})
-  tree = parts.attention_params(renamed, where, layer, features)
+  tree = parts.attention_params(tensors, where, layer, features, out="out_proj")
   return {**tree, "q_norm": tensors.take(f"{where}.q_layernorm.weight", (layer.head_dim,)),
           "k_norm": tensors.take(f"{where}.k_layernorm.weight", (layer.head_dim,))}
-
-
-class _Renamed:
-  """`Tensors` whose `take` reads some names from others."""
-
-  def __init__(self, tensors: Tensors, names: dict[str, str]):
-    self._tensors, self._names = tensors, names
-
-  def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    return self._tensors.take(self._names.get(name, name), shape)
 
 
 def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
@@ -186,8 +175,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
       tensors.update({f"{prefix}.conv.{name}.bias": mixer[key] for name, key in (
           ("in_proj", "in_bias"), ("conv", "conv_bias"), ("out_proj", "out_bias")) if key in mixer})
     else:
-      named = parts.attention_tensors(mixer)
-      named["out_proj.weight"] = named.pop("o_proj.weight")
+      named = parts.attention_tensors(mixer, out="out_proj")
       named.update({"q_layernorm.weight": mixer["q_norm"], "k_layernorm.weight": mixer["k_norm"]})
       tensors.update(parts.scoped(f"{prefix}.self_attn", named))
   return fields, tensors

@@ -12,25 +12,28 @@ from ssmkit._src.layers.attention import Attention
 from ssmkit._src.pretrained.files import Tensors
 
 
-def attention_params(tensors: Tensors, where: str, layer: Attention, features: int
-                     ) -> dict[str, Any]:
-  """`ssmkit.layers.Attention`'s projections (and biases, with `use_bias`)."""
+def attention_params(tensors: Tensors, where: str, layer: Attention, features: int,
+                     out: str = "o_proj") -> dict[str, Any]:
+  """`ssmkit.layers.Attention`'s projections (and biases, with `use_bias`); the output one is
+  stored as `out` (LFM2's `out_proj`)."""
   heads, kv, head_dim = layer.num_heads, layer.num_kv_heads or layer.num_heads, layer.head_dim
   widths = {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim}
   tree = {f"{n}_proj": tensors.take(f"{where}.{n}_proj.weight", (w, features)).T
           for n, w in widths.items()}
-  tree["o_proj"] = tensors.take(f"{where}.o_proj.weight", (features, heads * head_dim)).T
+  tree["o_proj"] = tensors.take(f"{where}.{out}.weight", (features, heads * head_dim)).T
   if layer.use_bias:
     tree.update({f"{n}_bias": tensors.take(f"{where}.{n}_proj.bias", (w,))
                  for n, w in widths.items()})
-    tree["o_bias"] = tensors.take(f"{where}.o_proj.bias", (features,))
+    tree["o_bias"] = tensors.take(f"{where}.{out}.bias", (features,))
   return tree
 
 
-def attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
-  """The tensors of `attention_params`."""
-  tensors = {f"{n}_proj.weight": mixer[f"{n}_proj"].T for n in "qkvo"}
-  tensors.update({f"{n}_proj.bias": mixer[f"{n}_bias"] for n in "qkvo" if f"{n}_bias" in mixer})
+def attention_tensors(mixer: dict[str, Any], out: str = "o_proj") -> dict[str, np.ndarray]:
+  """The tensors of `attention_params`, the output projection stored as `out`."""
+  names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": out}
+  tensors = {f"{name}.weight": mixer[f"{n}_proj"].T for n, name in names.items()}
+  tensors.update({f"{name}.bias": mixer[f"{n}_bias"] for n, name in names.items()
+                  if f"{n}_bias" in mixer})
   return tensors
 
 
