@@ -35,12 +35,6 @@ REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "swiglu", "prenorm": True, "
             "decoder_bias": False, "scale_embeddings": False, "logit_cap": None}
 
 
-def fits(model: Any) -> bool:
-  """Every pattern of Mamba-2 and attention blocks is a Bamba candidate (`checkpoint` names what
-  does not fit)."""
-  del model
-  return True
-
 
 def options(fields: Fields) -> dict[str, Any]:
   """The `SequenceModel` keyword arguments of a Bamba `config.json`.

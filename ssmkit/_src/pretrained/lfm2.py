@@ -32,11 +32,6 @@ REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "swiglu", "mlp_bias": False,
 _MLP = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
-def fits(model: Any) -> bool:
-  """Every pattern of short convolutions and attention is an LFM2 candidate."""
-  del model
-  return True
-
 
 def _width(fields: Fields) -> int:
   """The MLP's hidden width, as `transformers`' `Lfm2MLP` computes it."""

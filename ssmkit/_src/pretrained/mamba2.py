@@ -27,11 +27,6 @@ LAYERS = (Mamba2,)
 REQUIRED = mamba.REQUIRED
 
 
-def fits(model: Any) -> bool:
-  """Every Mamba-2 model of the required options is a Mamba2ForCausalLM."""
-  del model
-  return True
-
 
 def options(fields: Fields) -> dict[str, Any]:
   """The `SequenceModel` keyword arguments of a Mamba-2 `config.json`.

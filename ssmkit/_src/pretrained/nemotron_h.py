@@ -47,12 +47,6 @@ _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _WRITTEN = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
 
 
-def fits(model: Any) -> bool:
-  """Every pattern of Mamba-2, attention and feed-forward blocks is a Nemotron-H candidate
-  (`checkpoint` names what does not fit)."""
-  del model
-  return True
-
 
 def _kinds(fields: Fields) -> list[str]:
   """"mamba", "attention", "mlp" or "moe" for each block.

@@ -51,12 +51,6 @@ REQUIRED = {"block": "mixer", "norm": "rms_plus_one", "mlp": "swiglu", "mlp_bias
 _KINDS = {GatedDeltaNet: "linear_attention", Attention: "full_attention"}
 
 
-def fits(model: Any) -> bool:
-  """Every pattern of Gated DeltaNet and attention blocks is a Qwen3.5 candidate (`checkpoint`
-  names what does not fit)."""
-  del model
-  return True
-
 
 def options(fields: Fields) -> dict[str, Any]:
   """The `SequenceModel` keyword arguments of a Qwen3.5 `config.json` (its `text_config`).

@@ -30,7 +30,6 @@ IGNORED = qwen3_5.IGNORED
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (GatedDeltaNet, Attention)
 REQUIRED = qwen3_next.REQUIRED
-fits = qwen3_5.fits
 
 
 def options(fields: Fields) -> dict[str, Any]:

@@ -36,7 +36,6 @@ IGNORED = qwen3_5.IGNORED
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (GatedDeltaNet, Attention)
 REQUIRED = {**qwen3_5.REQUIRED, "mlp": "experts"}
-fits = qwen3_5.fits
 
 
 def options(fields: Fields) -> dict[str, Any]:

@@ -33,12 +33,6 @@ REQUIRED = {"block": "mixer", "norm": "rms_plus_one", "mlp": "geglu", "mlp_bias"
 _KINDS = {RGLRU: "recurrent", Attention: "attention"}
 
 
-def fits(model: Any) -> bool:
-  """Every pattern of RG-LRU and attention blocks is a RecurrentGemma candidate (`checkpoint`
-  names what does not fit)."""
-  del model
-  return True
-
 
 def embedding_scale(features: int) -> float:
   """sqrt(`features`) rounded to bfloat16, the constant `transformers` scales embeddings by."""

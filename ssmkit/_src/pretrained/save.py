@@ -92,6 +92,14 @@ def _source_architecture(source: str | pathlib.Path | None) -> str | None:
   return None if module is None else module.ARCHITECTURE
 
 
+def _fits(architecture: Any, model: SequenceModel) -> bool:
+  """Whether `model` is a candidate of `architecture`: its `fits(model)`, where the module has
+  one (every pattern of its layers is, where it has none; `checkpoint` names what does not
+  fit)."""
+  fits = getattr(architecture, "fits", None)
+  return fits is None or fits(model)
+
+
 def _architecture(model: SequenceModel, preferred: str | None) -> Any:
   """The architecture module of `model`, checked to express it exactly: `preferred` (an
   architecture name) among those that do, where it is one.
@@ -100,7 +108,7 @@ def _architecture(model: SequenceModel, preferred: str | None) -> Any:
     CheckpointError: naming the option that the architecture does not have.
   """
   kinds = {type(make()) for make in layer_pattern(model.layer)}
-  found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and a.fits(model) and (
+  found = [a for a in WRITTEN if kinds <= set(a.LAYERS) and _fits(a, model) and (
       len(a.LAYERS) > 1 or not isinstance(model.layer, tuple))]
   if not found:
     names = ", ".join(sorted(kind.__name__ for kind in kinds))
