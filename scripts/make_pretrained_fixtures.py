@@ -146,6 +146,18 @@ CONFIGS = {
                                                                    "conv"],
         conv_L_cache=3, block_multiple_of=16, norm_eps=1e-5, tie_word_embeddings=True,
         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Mamba-2 of 4 heads x 12 channels (an inner width 1.5 x the model's) in two groups, its
+    # norm before the gate, beside grouped attention in every block; every multiplier not 1.
+    "falcon_h1": transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=48, mamba_n_heads=4,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
+        mamba_rms_norm=True, mamba_norm_before_gate=True, rms_norm_eps=1e-5,
+        embedding_multiplier=1.5, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3],
+        key_multiplier=0.7, attention_in_multiplier=0.9, attention_out_multiplier=1.2,
+        ssm_multipliers=[0.5, 1.1, 0.9, 1.2, 0.8], ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

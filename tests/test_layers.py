@@ -177,7 +177,7 @@ def _equations(jaxpr):
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
 PROJECTING = frozenset({"FeedForward", "Mamba", "Mamba2", "Mamba3", "GatedDeltaNet",
                         "KimiDeltaAttention", "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU",
-                        "Attention", "ShortConv"})
+                        "Attention", "ShortConv", "Parallel"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):
@@ -499,18 +499,27 @@ def test_s4d_auto_as_enum_or_string_takes_the_same_path():
 
 def _state_size_option(layer: type) -> str:
   """The option that sizes a layer's state: `d_state`, attention's `cache_size` or RWKV-7's
-  `head_dim`; a feed-forward layer's hidden `width`; a short convolution's taps."""
+  `head_dim`; a feed-forward layer's hidden `width`; a short convolution's taps; a parallel
+  layer's branches' (its first branch's `d_state`)."""
   fields = {f.name for f in dataclasses.fields(layer)}
-  return next(name for name in ("d_state", "cache_size", "head_dim", "width", "d_conv")
+  return next(name for name in ("d_state", "cache_size", "head_dim", "width", "d_conv", "layers")
               if name in fields)
+
+
+def _sized(factory: type, size: object) -> tuple[nn.Module, str]:
+  """`(layer, option)`: the layer with its state sized by `size`, and the option named."""
+  option = _state_size_option(factory)
+  if option == "layers":
+    return factory(layers=(functools.partial(layers.Mamba2, d_state=size),)), "d_state"
+  return factory(**{option: size}), option
 
 
 @pytest.mark.parametrize("factory", [entry.layer for entry in REGISTRY.values()], ids=list(REGISTRY))
 @pytest.mark.parametrize("size", [0, -2, 2.5])
 def test_state_size_that_is_not_a_positive_int_is_refused(factory, size):
-  option = _state_size_option(factory)
+  layer, option = _sized(factory, size)
   with pytest.raises(ValueError, match=f"`{option}` must be a positive int"):
-    factory(**{option: size}).init(jax.random.key(0), _x((2, 5, 4)))
+    layer.init(jax.random.key(0), _x((2, 5, 4)))
 
 
 @pytest.mark.parametrize(("options", "match"), [

@@ -80,10 +80,11 @@ def _stepped(layer, params, x, reset):
 
 
 def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups, dt_limit=(0, np.inf), eps=1e-5,
-                      norm_groups=1):
+                      norm_groups=1, gate_norm="norm_gated", scales=(1, 1, 1, 1, 1)):
   """Mamba2Simple's forward pass one step at a time (the recurrent form of ssd_minimal), with
-  `transformers`' step clip and its gated norm over `norm_groups` groups of channels."""
-  inner = p["norm_scale"].shape[0]
+  `transformers`' step clip and its gated norm over `norm_groups` groups of channels; Falcon-H1's
+  norm before the gate or none, and its factors on the projection's parts (`mup_vector`)."""
+  inner = p["out_proj"].shape[0]
   heads = inner // head_dim
   conv = _Conv(p["conv_kernel"], p["conv_bias"])
   state = np.zeros((heads, head_dim, d_state))  # ssd_minimal's (h, p, n)
@@ -92,7 +93,8 @@ def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups, dt_limit=(0, 
   for t in range(x.shape[0]):
     if reset[t]:
       state = np.zeros_like(state)
-    zxbcdt = x[t] @ p["in_proj"]
+    widths = (inner, inner, n_groups * d_state, n_groups * d_state, heads)
+    zxbcdt = x[t] @ p["in_proj"] * np.repeat(scales, widths)
     z, xbc, dt = np.split(zxbcdt, [inner, zxbcdt.shape[0] - heads])
     xbc = _silu(conv(xbc, reset[t]))
     u, b, c = np.split(xbc, [inner, inner + n_groups * d_state])
@@ -104,8 +106,14 @@ def _mamba2_reference(p, x, reset, *, d_state, head_dim, n_groups, dt_limit=(0, 
       g = h // (heads // n_groups)
       state[h] = np.exp(dt[h] * a[h]) * state[h] + np.outer(u[h] * dt[h], b[g])
       y[h] = state[h] @ c[g] + p["D"][h] * u[h]
-    gated = (y.reshape(inner) * _silu(z)).reshape(norm_groups, inner // norm_groups)
-    y = _rms_norm(gated, eps).reshape(inner) * p["norm_scale"]
+    y = y.reshape(inner)
+    if gate_norm == "gate":
+      y = y * _silu(z)
+    elif gate_norm == "gate_normed":
+      y = _rms_norm(y.reshape(norm_groups, -1), eps).reshape(inner) * p["norm_scale"] * _silu(z)
+    else:
+      gated = (y * _silu(z)).reshape(norm_groups, inner // norm_groups)
+      y = _rms_norm(gated, eps).reshape(inner) * p["norm_scale"]
     ys.append(y @ p["out_proj"])
   return np.stack(ys)
 
@@ -133,6 +141,26 @@ def test_mamba2_clips_its_step_and_normalises_per_group_as_transformers():
   _assert_close(_stepped(layer, params, x, reset), expected)
   with pytest.raises(ValueError, match=r"`dt_limit` must be \(low, high\)"):
     layers.Mamba2(head_dim=8, dt_limit=(0.5, 0.1)).init(jax.random.key(0), _x((4, 16)))
+
+
+@pytest.mark.parametrize("gate_norm", ["gate_normed", "gate"])
+def test_mamba2_gates_and_scales_its_parts_as_falcon_h1(gate_norm):
+  """Falcon-H1's Mamba-2: the norm before the gate, or no norm; factors on z, x, B, C and dt."""
+  scales = (0.5, 1.7, 0.8, 1.3, 0.6)
+  layer = layers.Mamba2(d_state=5, head_dim=3, n_groups=2, d_conv=4, num_heads=2,
+                        norm_per_group=True, gate_norm=gate_norm, in_proj_scales=scales)
+  x, reset = _x((23, 6)), _resets(23)
+  params = compiled.init(layer, x.shape, 11)
+  assert ("norm_scale" in params["params"]) == (gate_norm != "gate")
+  expected = _mamba2_reference(_params64(params), np.asarray(x, np.float64), reset, d_state=5,
+                               head_dim=3, n_groups=2, norm_groups=2, gate_norm=gate_norm,
+                               scales=scales)
+  _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
+  _assert_close(_stepped(layer, params, x, reset), expected)
+  for options, message in [({"gate_norm": "after"}, "`gate_norm` must be one of"),
+                           ({"in_proj_scales": (1.0, 2.0)}, "`in_proj_scales` must be five")]:
+    with pytest.raises(ValueError, match=message):
+      layers.Mamba2(head_dim=8, **options).init(jax.random.key(0), _x((4, 16)))
 
 
 def test_mamba2_initialisation_follows_the_reference():

@@ -39,7 +39,7 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                  "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM",
-                 "lfm2": "Lfm2ForCausalLM"}
+                 "lfm2": "Lfm2ForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -48,10 +48,11 @@ SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
 REWRITTEN = {"lfm2": ("intermediate_size", "block_auto_adjust_ff_dim")}
 # The fixtures a run fine-tunes and saves back to their own tensors and config: every type of
 # `ssmkit.pretrained`'s first release, and one per way the later ones build their blocks
-# (experts as the block's MLP; MLP and experts blocks). `load` checks that every model's
+# (experts as the block's MLP; MLP and experts blocks; parallel branches). `load` checks that
+# every model's
 # parameters are exactly its checkpoint's, and `save` of each is tested above.
 FINE_TUNED = ["mamba", "mamba_bias", "falcon_mamba", "mamba2", "recurrent_gemma", "qwen3_next",
-              "nemotron_h"]
+              "nemotron_h", "falcon_h1"]
 
 
 def _expected(name):
@@ -143,8 +144,8 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, model_type="mamba2"),
          r"`architectures` \['MambaForCausalLM'\] contradicts `model_type` 'mamba2'"),
         (lambda f: _edit_config(f, model_type="llama"),
-         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_mamba, granitemoehybrid, "
-         r"jamba, lfm2, mamba, mamba2, "
+         r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_h1, falcon_mamba, "
+         r"granitemoehybrid, jamba, lfm2, mamba, mamba2, "
          r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
          r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
@@ -262,6 +263,16 @@ def _edit_text_config(folder, **changes):
          r"`layer_types` must give 'conv' or 'full_attention' for each of the 3 layers"),
         ("lfm2", lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn"}),
          r"`rope_parameters.rope_type`='yarn' is not supported"),
+        ("falcon_h1", lambda f: _edit_config(f, mamba_d_ssm=40),
+         r"`mamba_n_heads` x `mamba_d_head` = 48 must be the inner width `mamba_d_ssm`"),
+        ("falcon_h1", lambda f: _edit_config(f, projectors_bias=True),
+         r"`projectors_bias`=True is not supported"),
+        ("falcon_h1", lambda f: _edit_config(f, ssm_multipliers=[1.0, 2.0]),
+         r"`ssm_multipliers` must be 5 positive numbers, got \[1.0, 2.0\]"),
+        ("falcon_h1", lambda f: _edit_config(f, key_multiplier=0),
+         r"`key_multiplier` must be a positive number, got 0"),
+        ("falcon_h1", lambda f: _edit_weights(f, lambda t: t.pop("model.layers.1.mamba.norm.weight")),
+         r"the weight 'model.layers.1.mamba.norm.weight' is missing"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -389,6 +400,19 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
       (griffin.clone(scale_embeddings=True), weights,
        r"needs model.scale_embeddings to be sqrt\(features\) rounded to bfloat16, 5.65625"),
       (griffin.clone(mlp="swiglu"), weights, r"`model.mlp`='swiglu': a RecurrentGemmaForCausalLM"),
+  ]
+  qwen, qwen_weights, _ = ssmkit.pretrained.load(FIXTURES / "qwen3_5_text")
+  falcon, falcon_weights, _ = ssmkit.pretrained.load(FIXTURES / "falcon_h1")
+  cases += [
+      # A factor an architecture does not write is refused, not dropped.
+      (qwen.clone(mlp_scales=(0.5, 1.0)), qwen_weights,
+       r"`model.mlp_scales`=\(0.5, 1.0\): a Qwen3_5ForCausalLM has mlp_scales=\(1.0, 1.0\)"),
+      (falcon.clone(residual_scale=0.5), falcon_weights,
+       r"`model.residual_scale`=0.5: a FalconH1ForCausalLM has residual_scale=1.0"),
+      (falcon.clone(layer=functools.partial(layers.Parallel, layers=("mamba2", "short_conv"))),
+       falcon_weights, r"a FalconH1ForCausalLM has one Parallel layer of Mamba2 then Attention"),
+      (model.clone(layer=functools.partial(model.layer, gate_norm="gate")),
+       variables, r"a Mamba2ForCausalLM has Mamba2 layers with gate_norm='norm_gated'"),
   ]
   for bad, values, message in cases:
     with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):

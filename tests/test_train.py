@@ -24,6 +24,7 @@ import pytest
 
 import ssmkit
 from ssmkit import cli, data, layers, train
+from ssmkit._src.layers.parallel import BRANCHES
 from ssmkit._src.layers.registry import LAYERS
 from ssmkit._src.train import reference
 from ssmkit._src.train.core import metrics, parallel
@@ -281,7 +282,16 @@ def test_every_layer_declares_parameter_groups_of_its_own_parameters(name):
     names |= set(jax.eval_shape(layer.init, jax.random.key(0), x)["params"])
   groups = LAYERS[name].layer.parameter_groups
   assert not groups.recurrence & groups.no_decay
-  assert groups.recurrence | groups.no_decay <= names
+  if cls is not layers.Parallel:
+    assert groups.recurrence | groups.no_decay <= names
+    return
+  # A parallel layer's parameters are its branches', each in the group its branch gives it.
+  for key in names:
+    kind = next(kind for kind in BRANCHES if key.startswith(f"{kind}_"))
+    own = BRANCHES[kind].parameter_groups
+    rest = key[len(kind) + 1:]
+    assert (key in groups.recurrence, key in groups.no_decay) == (rest in own.recurrence,
+                                                                  rest in own.no_decay), key
 
 
 PATTERN = ["model.layer=[lru, attention, lru]",

@@ -85,6 +85,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                         "num_experts_per_tok": 2, "attn_layer_period": 4,
                         "attn_layer_offset": 2, "expert_layer_period": 2,
                         "expert_layer_offset": 1}),
+    "LFM2": ("lfm2", {**_WIDE, "num_hidden_layers": 16, "intermediate_size": 12288,
+                      "num_attention_heads": 32, "num_key_value_heads": 8,
+                      "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
+                                      for i in range(16)]}),
+    "Falcon-H1": ("falcon_h1", {**_WIDE, "num_hidden_layers": 18, "intermediate_size": 4096,
+                                "num_attention_heads": 8, "num_key_value_heads": 2,
+                                "head_dim": 128, "mamba_d_ssm": 3072, "mamba_n_heads": 48,
+                                "mamba_d_head": 64, "mamba_d_state": 256}),
 }
 _SMALL_FAMILIES = {"Qwen3-Next": {"hidden_size": 32, "head_dim": 16, "linear_key_head_dim": 8,
                                   "linear_value_head_dim": 8, "num_hidden_layers": 4,

@@ -15,6 +15,7 @@ from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mamba3 import Mamba3
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import SequenceModel, generate
+from ssmkit._src.layers.parallel import Parallel
 from ssmkit._src.layers.rglru import RGLRU, RGLRUState
 from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
@@ -41,6 +42,7 @@ __all__ = [
     "MinGRU",
     "MixerBlock",
     "MixtureOfExperts",
+    "Parallel",
     "RGLRUState",
     "SSMBlock",
     "SequenceModel",

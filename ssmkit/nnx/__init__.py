@@ -28,6 +28,7 @@ from ssmkit._src.nnx.layers import (  # noqa: E402
     Mamba2,
     Mamba3,
     MinGRU,
+    Parallel,
     ShortConv,
     front_end,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Mamba3",
     "MinGRU",
     "MixerBlock",
+    "Parallel",
     "SSMBlock",
     "SequenceModel",
     "ShortConv",

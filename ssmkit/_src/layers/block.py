@@ -30,11 +30,6 @@ _MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "relu2": lambda u: jnp.square(jax.nn.relu(u))}
 
 
-def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
-
-
 def expand_mask(mask: Array | None, x: Array) -> Array | None:
   """`(..., T)` step mask as `x`'s shape `(..., T, H)`, or None."""
   return None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
@@ -115,13 +110,26 @@ def mlp_width(features: int, expansion: float) -> int:
 
 
 def feed_forward(x: Array, kind: str, *, up: Callable[[Array], Array],
-                 gate: Callable[[Array], Array] | None, down: Callable[[Array], Array]) -> Array:
+                 gate: Callable[[Array], Array] | None, down: Callable[[Array], Array],
+                 scales: tuple[float, float] = (1.0, 1.0)) -> Array:
   """The MLP `kind` of `MLPS` (not "none") or "relu2": down(act(up(x))) with GELU ("gelu") or
   relu(u)^2 ("relu2"), or down(act(gate(x)) * up(x)) with GELU ("geglu") or SiLU ("swiglu");
-  `gate` is None for "gelu" and "relu2"."""
+  `gate` is None for "gelu" and "relu2". `scales` (a, b): act's input times a, the output
+  times b (Falcon-H1's `mlp_multipliers`)."""
   activation = _MLP_ACTIVATIONS[kind]
-  hidden = activation(up(x)) if gate is None else activation(gate(x)) * up(x)
-  return down(hidden)
+  into, out = scales
+  scaled = lambda u, factor: u if factor == 1 else u * jnp.asarray(factor, u.dtype)
+  hidden = (activation(scaled(up(x), into)) if gate is None
+            else activation(scaled(gate(x), into)) * up(x))
+  return scaled(down(hidden), out)
+
+
+def check_mlp_scales(scales: Any) -> None:
+  """Checks a mixer block's `mlp_scales`: two numbers."""
+  if not isinstance(scales, tuple | list) or len(scales) != 2 or not all(
+      isinstance(v, int | float) and not isinstance(v, bool) for v in scales):
+    raise ValueError(f"`mlp_scales` must be two numbers (the activation's input factor, the "
+                     f"output's), got {scales!r}.")
 
 
 def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[Any, Array]], *,
@@ -179,7 +187,7 @@ class Norm(nn.Module):
   @nn.compact
   def __call__(self, x: Array, mask: Array | None = None, *, train: bool = False,
                axis_name: Hashable | None = None) -> Array:
-    check_choice(self.kind, NORMS, "norm")
+    common.check_choice(self.kind, NORMS, "norm")
     check_norm_across_devices(self.kind == "batch" and train, axis_name)
     precision = dict(dtype=self.dtype, param_dtype=self.param_dtype,
                      **({} if self.eps is None else {"epsilon": self.eps}))
@@ -304,7 +312,7 @@ class SSMBlock(_Block):
       axis_name: the mesh axis over which the time axis is split, or None.
       value_residual: the value residual of the blocks before (see `run_layer`), or None.
     """
-    check_choice(self.activation, ACTIVATIONS, "activation")
+    common.check_choice(self.activation, ACTIVATIONS, "activation")
     norm = self._norm("norm")
     ssm = functools.partial(run_layer, self.layer(name="ssm"), reset=reset, state=state,
                             single_step=single_step, return_state=return_state, mode=mode,
@@ -337,6 +345,8 @@ class MixerBlock(_Block):
       `MixtureOfExperts` named "mlp_experts".
     residual_scale: the factor on the mixer's and the MLP's outputs before they join the
       residual stream (Granite's `residual_multiplier`).
+    mlp_scales: (a, b): the dense MLP's activation input times a and its output times b
+      (Falcon-H1's `mlp_multipliers`).
     mlp_bias: biases in the MLP's projections.
     dropout_rate: dropout on the mixer's and the MLP's outputs, when `train`.
 
@@ -352,6 +362,7 @@ class MixerBlock(_Block):
   mlp_bias: bool = False
   experts: Experts | None = None
   residual_scale: float = 1.0
+  mlp_scales: tuple[float, float] = (1.0, 1.0)
   dropout_rate: float = 0.0
 
   @nn.compact
@@ -361,6 +372,7 @@ class MixerBlock(_Block):
     """The block on checked inputs, carry first, as a model stacks it: `((state,
     value_residual), y)` (arguments as `SSMBlock.forward`'s)."""
     check_experts(self.mlp, self.experts)
+    check_mlp_scales(self.mlp_scales)
     norm = self._norm("norm")
     mixer = functools.partial(run_layer, self.layer(name="mixer"), reset=reset, state=state,
                               single_step=single_step, return_state=return_state, mode=mode,
@@ -379,7 +391,7 @@ class MixerBlock(_Block):
       mlp = functools.partial(
           feed_forward, kind=self.mlp, up=dense(hidden, "mlp_up"),
           gate=dense(hidden, "mlp_gate") if self.mlp != "gelu" else None,
-          down=dense(x.shape[-1], "mlp_down"))
+          down=dense(x.shape[-1], "mlp_down"), scales=self.mlp_scales)
     return mixer_residual(x, mask, mixer,
                           norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
@@ -388,7 +400,7 @@ class MixerBlock(_Block):
 
 def check_experts(mlp: str, experts: Experts | None) -> None:
   """Checks a mixer block's `mlp` kind and its `experts`, naming what does not fit."""
-  check_choice(mlp, MLPS, "mlp")
+  common.check_choice(mlp, MLPS, "mlp")
   if (mlp == "experts") != (experts is not None):
     raise ValueError(f"`experts` is the mixture of `mlp='experts'`: give both or neither, got "
                      f"mlp={mlp!r} and experts={experts!r}.")

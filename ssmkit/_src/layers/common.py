@@ -89,6 +89,12 @@ def linen_params(module: nn.Module, specs: dict[str, ParamSpec], dtype: Any) -> 
   return create_params(specs, dtype, module.param)
 
 
+def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
+  """Raises a ValueError naming `name` unless `value` is one of `choices`."""
+  if value not in choices:
+    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+
+
 def check_positive_int(value: Any, name: str) -> None:
   """Raises a ValueError naming `name` unless `value` is a positive int (a layer attribute)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ssmkit._src.layers import common, functional
 from ssmkit._src.layers.common import ParamSpec
@@ -21,6 +22,9 @@ from ssmkit._src.matrix_state.linear_attention import linear_attention
 from ssmkit._src.modes import Mode
 
 Array = jax.Array
+
+GATE_NORMS = ("norm_gated", "gate_normed", "gate")
+
 
 def sizes(cfg: Any, features: int) -> tuple[int, int, int]:
   """(inner width, heads, width of B and C together) of a Mamba-2 block over `features`."""
@@ -44,6 +48,12 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
     raise ValueError(f"`dt_limit` must be (low, high) with 0 <= low < high, got {cfg.dt_limit!r}.")
   if not cfg.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0, got {cfg.norm_eps!r}.")
+  common.check_choice(cfg.gate_norm, GATE_NORMS, "gate_norm")
+  scales = cfg.in_proj_scales
+  if scales is not None and (len(scales) != 5 or not all(
+      isinstance(v, int | float) and not isinstance(v, bool) for v in scales)):
+    raise ValueError(f"`in_proj_scales` must be five numbers (z, x, B, C, dt) or None, got "
+                     f"{scales!r}.")
   conv = inner + bc
   # nn.Linear and nn.Conv1d initialise as U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   return {
@@ -53,7 +63,8 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
       "dt_bias": ParamSpec((heads,), dt_bias_init(cfg.dt_min, cfg.dt_max)),
       "A_log": ParamSpec((heads,), a_log_init(1.0, 16.0)),
       "D": ParamSpec((heads,), nn.initializers.ones),
-      "norm_scale": ParamSpec((inner,), nn.initializers.ones),
+      **({"norm_scale": ParamSpec((inner,), nn.initializers.ones)} if cfg.gate_norm != "gate"
+         else {}),
       "out_proj": ParamSpec((inner, features), uniform(inner**-0.5)),
   }
 
@@ -77,8 +88,12 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   inner, heads, bc = sizes(cfg, features)
   dtype = common.computation_dtype(x.dtype)
   # The projection's order, as in the reference: [z, x, B, C, dt].
-  z, xbc, dt = jnp.split(common.project(x, params["in_proj"], dtype), [inner, 2 * inner + bc],
-                         axis=-1)
+  projected = common.project(x, params["in_proj"], dtype)
+  if cfg.in_proj_scales is not None:
+    widths = (inner, inner, bc // 2, bc // 2, heads)
+    scales = jnp.asarray(np.repeat(cfg.in_proj_scales, widths), projected.dtype)
+    projected = projected * common.leading_ones(scales, projected.ndim)
+  z, xbc, dt = jnp.split(projected, [inner, 2 * inner + bc], axis=-1)
   xbc, window = causal_conv(xbc, params["conv_kernel"], params.get("conv_bias"), state.conv,
                            reset, axis_name)
   u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
@@ -93,8 +108,13 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                             chunk_size=cfg.chunk_size, return_final_state=True,
                             check_log_decay=False, axis_name=axis_name)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
-  y = gated_rms_norm(y.reshape(*y.shape[:-2], inner), z, params["norm_scale"], cfg.norm_eps,
-                     cfg.n_groups if cfg.norm_per_group else 1)
+  y = y.reshape(*y.shape[:-2], inner)
+  if cfg.gate_norm == "gate":
+    y = y * jax.nn.silu(z)
+  else:
+    y = gated_rms_norm(y, z, params["norm_scale"], cfg.norm_eps,
+                       cfg.n_groups if cfg.norm_per_group else 1,
+                       gate_after=cfg.gate_norm == "gate_normed")
   return (common.project(y, params["out_proj"], dtype).astype(x.dtype),
           ConvRecurrentState(window, ssm))
 
@@ -119,7 +139,7 @@ class Mamba2(functional.LinenLayer):
   `ssmkit.scan.linear_attention(C, B, x dt, dt A)`: on CPU "auto" computes the values step
   by step and the gradient chunkwise with matrix products (see docs/linear_attention.md),
   "chunked" and "parallel" run the chunkwise algorithm. The output is
-  RMSNorm(y * SiLU(z)) scaled per channel, projected back to H. `reset` clears the SSM
+  RMSNorm(y * SiLU(z)) scaled per channel (`gate_norm`), projected back to H. `reset` clears the SSM
   state and the convolution window; the state is a `ConvRecurrentState` whose `recurrent`
   part is `(*batch, heads, d_state, head_dim)`.
 
@@ -142,6 +162,11 @@ class Mamba2(functional.LinenLayer):
     norm_per_group: the gated RMSNorm normalises each of the `n_groups` groups of channels on
       its own (as state-spaces/mamba and `transformers` do); False: the whole inner width at
       once (the same when `n_groups` is 1).
+    gate_norm: how z gates the SSM's output y: "norm_gated", RMSNorm(y * SiLU(z)) (Mamba-2);
+      "gate_normed", RMSNorm(y) * SiLU(z); "gate", y * SiLU(z) without a norm (the last two
+      Falcon-H1's, by `mamba_rms_norm` and `mamba_norm_before_gate`).
+    in_proj_scales: factors on the in-projection's five parts (z, x, B, C, dt) after it, or
+      None (Falcon-H1's `ssm_multipliers`).
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
     param_dtype: dtype of the parameters.
 
@@ -162,6 +187,8 @@ class Mamba2(functional.LinenLayer):
   dt_limit: tuple[float, float] = (0.0, math.inf)
   norm_eps: float = EPS
   norm_per_group: bool = False
+  gate_norm: str = "norm_gated"
+  in_proj_scales: tuple[float, float, float, float, float] | None = None
   chunk_size: int | None = None
   param_dtype: jnp.dtype = jnp.float32
 

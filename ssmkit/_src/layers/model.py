@@ -20,9 +20,9 @@ from ssmkit._src.layers.block import (
   ModuleDef,
   Norm,
   SSMBlock,
-  check_choice,
   check_experts,
   check_mask,
+  check_mlp_scales,
 )
 from ssmkit._src.layers.experts import AUX_LOSS, Experts
 from ssmkit._src.layers.functional import LinenLayer, ValueResidual, shares_values
@@ -40,7 +40,7 @@ BLOCKS = ("ssm", "mixer")
 BLOCK_OPTIONS = {
     "ssm": ("norm", "norm_eps", "activation", "dropout_rate", "prenorm", "dtype", "param_dtype"),
     "mixer": ("norm", "norm_eps", "mlp", "mlp_expansion", "mlp_bias", "experts", "residual_scale",
-              "dropout_rate", "dtype", "param_dtype"),
+              "mlp_scales", "dropout_rate", "dtype", "param_dtype"),
 }
 
 
@@ -101,8 +101,8 @@ def check_model(model: Any) -> None:
   Raises:
     ValueError: naming the option that does not fit.
   """
-  check_choice(model.pooling, POOLINGS, "pooling")
-  check_choice(model.block, BLOCKS, "block")
+  common.check_choice(model.pooling, POOLINGS, "pooling")
+  common.check_choice(model.block, BLOCKS, "block")
   check_experts(model.mlp, model.experts)
   common.check_positive_int(model.num_blocks, "num_blocks")
   if model.block == "ssm" and model.mlp != "none":
@@ -123,9 +123,13 @@ def check_model(model: Any) -> None:
   for name in ("logits_scaling", "residual_scale"):
     if not getattr(model, name) > 0:
       raise ValueError(f"`{name}` must be > 0, got {getattr(model, name)!r}.")
-  if model.residual_scale != 1.0 and model.block != "mixer":
-    raise ValueError(f"`residual_scale` scales a mixer block's branches: it needs block='mixer', "
-                     f"got block={model.block!r}.")
+  check_mlp_scales(model.mlp_scales)
+  changed = {"residual_scale": model.residual_scale != 1.0,
+             "mlp_scales": tuple(model.mlp_scales) != (1.0, 1.0)}
+  for name in (name for name, scales in changed.items() if scales):
+    if model.block != "mixer":
+      raise ValueError(f"`{name}` scales a mixer block's branches: it needs block='mixer', "
+                       f"got block={model.block!r}.")
   if model.norm_eps is not None and not model.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0 or None, got {model.norm_eps!r}.")
   common.check_float_dtype(model.dtype, "dtype")
@@ -242,6 +246,8 @@ class SequenceModel(nn.Module):
     logits_scaling: divide the decoder's outputs by this, before the cap (Granite's).
     residual_scale: the factor on each mixer block's branches before they join the residual
       stream (block "mixer"; Granite's `residual_multiplier`).
+    mlp_scales: (a, b): each dense MLP's activation input times a, its output times b
+      (block "mixer"; Falcon-H1's `mlp_multipliers`).
     dtype: the computation dtype of the model's activations, embeddings, norms and
       projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
       parameters. The layers take their inputs in it, multiply their projections in it
@@ -273,6 +279,7 @@ class SequenceModel(nn.Module):
   logit_cap: float | None = None
   logits_scaling: float = 1.0
   residual_scale: float = 1.0
+  mlp_scales: tuple[float, float] = (1.0, 1.0)
   dtype: Any = None
   param_dtype: Any = jnp.float32
 

@@ -23,13 +23,16 @@ def rms_norm(y: Array, scale: Array, eps: float = EPS) -> Array:
       scale, y.ndim)
 
 
-def gated_rms_norm(y: Array, gate: Array, scale: Array, eps: float = EPS, groups: int = 1) -> Array:
+def gated_rms_norm(y: Array, gate: Array, scale: Array, eps: float = EPS, groups: int = 1,
+                   gate_after: bool = False) -> Array:
   """RMSNorm(y * SiLU(gate)) * scale over the last axis (the gate before the norm, as Mamba-2),
-  each of `groups` equal groups of channels normalised on its own."""
-  u = y * jax.nn.silu(gate)
+  each of `groups` equal groups of channels normalised on its own; with `gate_after`,
+  RMSNorm(y) * scale * SiLU(gate) (Falcon-H1's `mamba_norm_before_gate`)."""
+  u = y if gate_after else y * jax.nn.silu(gate)
   u = u.reshape(*u.shape[:-1], groups, u.shape[-1] // groups)
   u = u * jax.lax.rsqrt(jnp.mean(u * u, axis=-1, keepdims=True) + eps)
-  return u.reshape(y.shape) * common.leading_ones(scale, y.ndim)
+  u = u.reshape(y.shape) * common.leading_ones(scale, y.ndim)
+  return u * jax.nn.silu(gate) if gate_after else u
 
 
 def rms_norm_plus_one(x: Array, weight: Array, eps: float, dtype: Any = None) -> Array:

@@ -9,6 +9,7 @@ tests run every entry's `test_configs`, so a registered layer is tested like eve
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 from ssmkit._src.layers.attention import Attention
@@ -24,6 +25,7 @@ from ssmkit._src.layers.mamba2 import Mamba2
 from ssmkit._src.layers.mamba3 import Mamba3
 from ssmkit._src.layers.mingru import MinGRU
 from ssmkit._src.layers.model import BLOCKS, POOLINGS
+from ssmkit._src.layers.parallel import Parallel
 from ssmkit._src.layers.rglru import RGLRU
 from ssmkit._src.layers.rwkv7 import RWKV7
 from ssmkit._src.layers.s4d import S4D
@@ -75,6 +77,15 @@ LAYERS: dict[str, Entry] = {
     "feed_forward": Entry(FeedForward, ({"kind": "swiglu", "width": 6},
                                         {"kind": "relu2", "width": 5})),
     "short_conv": Entry(ShortConv, ({"d_conv": 3},)),
+    "parallel": Entry(Parallel, (
+        {"layers": (functools.partial(Mamba2, d_state=4, head_dim=2, d_conv=3, chunk_size=4,
+                                      gate_norm="gate_normed", in_proj_scales=(0.5, 2.0, 1.5, 0.7, 0.9)),
+                    functools.partial(Attention, num_heads=2, num_kv_heads=1, head_dim=4)),
+         "input_scales": (0.5, 2.0), "output_scales": (1.5, 0.25)},
+        {"layers": (functools.partial(GatedDeltaNet, num_heads=2, d_conv=3, chunk_size=4),
+                    functools.partial(ShortConv, d_conv=3),
+                    functools.partial(S4D, d_state=4))},
+    )),
 }
 
 

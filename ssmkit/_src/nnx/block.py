@@ -14,9 +14,9 @@ from ssmkit._src.layers import common
 from ssmkit._src.layers.block import (
   ACTIVATIONS,
   NORMS,
-  check_choice,
   check_experts,
   check_mask,
+  check_mlp_scales,
   check_norm_across_devices,
   expand_mask,
   feed_forward,
@@ -59,7 +59,7 @@ def make_norm(kind: str, features: int, rngs: nnx.Rngs, *, dtype: Any = None,
               param_dtype: Any = jnp.float32, eps: float | None = None) -> Norm:
   """The norm "layer", "rms", "rms_plus_one" or "batch" over `features`, with the linen block's settings
   (`eps` None: flax's default epsilon)."""
-  check_choice(kind, NORMS, "norm")
+  common.check_choice(kind, NORMS, "norm")
   precision = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                    **({} if eps is None else {"epsilon": eps}))
   if kind == "batch":
@@ -172,7 +172,7 @@ class SSMBlock(_Block):
       rngs: the parameters' and dropout's random streams.
     """
     common.check_positive_int(features, "features")
-    check_choice(activation, ACTIVATIONS, "activation")
+    common.check_choice(activation, ACTIVATIONS, "activation")
     self.features = features
     self.activation = activation
     self.prenorm = prenorm
@@ -227,7 +227,8 @@ class MixerBlock(_Block):
                param_dtype: Any = jnp.float32, norm: str = "rms", norm_eps: float | None = None,
                mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
                experts: Experts | None = None, residual_scale: float = 1.0,
-               dropout_rate: float = 0.0, rngs: nnx.Rngs):
+               mlp_scales: tuple[float, float] = (1.0, 1.0), dropout_rate: float = 0.0,
+               rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -242,17 +243,20 @@ class MixerBlock(_Block):
       mlp_bias: biases in the MLP's projections.
       experts: the mixture of `mlp="experts"` (`ssmkit.layers.Experts`).
       residual_scale: the factor on the mixer's and the MLP's outputs before the residual.
+      mlp_scales: (a, b): the dense MLP's activation input times a, its output times b.
       dropout_rate: dropout on the mixer's and the MLP's outputs, in training mode.
       rngs: the parameters' and dropout's random streams.
     """
     common.check_positive_int(features, "features")
     check_experts(mlp, experts)
+    check_mlp_scales(mlp_scales)
     self.features = features
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
     self.mlp_bias = mlp_bias
     self.experts = experts
     self.residual_scale = residual_scale
+    self.mlp_scales = tuple(mlp_scales)
     self.dtype, self.param_dtype = dtype, param_dtype
     precision = dict(dtype=dtype, param_dtype=param_dtype)
     self.norm_eps = norm_eps
@@ -282,7 +286,7 @@ class MixerBlock(_Block):
       mlp = functools.partial(self.mlp_experts, axis_name=axis_name)
     elif self.mlp != "none":
       mlp = functools.partial(feed_forward, kind=self.mlp, up=self.mlp_up, gate=self.mlp_gate,
-                              down=self.mlp_down)
+                              down=self.mlp_down, scales=self.mlp_scales)
     return mixer_residual(
         x, mask,
         functools.partial(run_layer, self.mixer, reset=reset, state=state, single_step=single_step,

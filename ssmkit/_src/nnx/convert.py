@@ -33,7 +33,8 @@ Module = Layer | SSMBlock | MixerBlock | SequenceModel
 _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
                   "norm_eps", "activation", "mlp", "mlp_expansion", "mlp_bias", "experts",
                   "dropout_rate", "prenorm", "scan_blocks", "tie_embeddings", "decoder_bias",
-                  "scale_embeddings", "logit_cap", "logits_scaling", "residual_scale", "dtype",
+                  "scale_embeddings", "logit_cap", "logits_scaling", "residual_scale", "mlp_scales",
+                  "dtype",
                   "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
@@ -202,7 +203,7 @@ def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
     module = linen_block.MixerBlock(
         layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), norm_eps=model.norm_eps,
         mlp=model.mlp, mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias,
-        experts=model.experts, residual_scale=model.residual_scale,
+        experts=model.experts, residual_scale=model.residual_scale, mlp_scales=model.mlp_scales,
         dropout_rate=model.dropout.rate, dtype=model.dtype,
         param_dtype=model.param_dtype)
   elif isinstance(model, Layer):

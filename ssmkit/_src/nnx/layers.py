@@ -28,6 +28,7 @@ from ssmkit._src.layers.mamba import Mamba as _Mamba
 from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
 from ssmkit._src.layers.mamba3 import Mamba3 as _Mamba3
 from ssmkit._src.layers.mingru import MinGRU as _MinGRU
+from ssmkit._src.layers.parallel import Parallel as _Parallel
 from ssmkit._src.layers.rglru import RGLRU as _RGLRU
 from ssmkit._src.layers.rwkv7 import RWKV7 as _RWKV7
 from ssmkit._src.layers.s4d import S4D as _S4D
@@ -195,3 +196,4 @@ RGLRU = front_end(_RGLRU)
 MinGRU = front_end(_MinGRU)
 FeedForward = front_end(_FeedForward)
 ShortConv = front_end(_ShortConv)
+Parallel = front_end(_Parallel)

@@ -78,7 +78,8 @@ class SequenceModel(nnx.Module):
                dropout_rate: float = 0.0, prenorm: bool = True, scan_blocks: bool = False,
                tie_embeddings: bool = False, decoder_bias: bool = True,
                scale_embeddings: bool | float = False, logit_cap: float | None = None,
-               logits_scaling: float = 1.0, residual_scale: float = 1.0, dtype: Any = None,
+               logits_scaling: float = 1.0, residual_scale: float = 1.0,
+               mlp_scales: tuple[float, float] = (1.0, 1.0), dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
@@ -110,6 +111,8 @@ class SequenceModel(nnx.Module):
       logit_cap: soft-cap the outputs to `logit_cap * tanh(y / logit_cap)`; None: no cap.
       logits_scaling: divide the decoder's outputs by this, before the cap.
       residual_scale: the factor on each mixer block's branches (block "mixer").
+      mlp_scales: (a, b): each dense MLP's activation input times a, its output times b
+        (block "mixer").
       dtype: the computation dtype of the activations, embeddings, norms and projections
         (e.g. `jnp.bfloat16`); None: that of the inputs and parameters.
       param_dtype: the dtype of the model's own parameters (the layers have their own).
@@ -142,6 +145,7 @@ class SequenceModel(nnx.Module):
     self.logit_cap = logit_cap
     self.logits_scaling = logits_scaling
     self.residual_scale = residual_scale
+    self.mlp_scales = tuple(mlp_scales)
     self.dtype, self.param_dtype = dtype, param_dtype
     check_model(self)
     precision = dict(dtype=dtype, param_dtype=param_dtype)

@@ -177,6 +177,7 @@ def mixer_fields(model: Any, architecture: str) -> dict[str, Any]:
   expect = functools.partial(_expect, architecture)
   if mambas:
     layer = mambas[0]
+    mamba2.check_plain(layer, architecture)
     expect(len({_mamba_settings(m) for m in mambas}) == 1 and layer.norm_per_group
            and layer.norm_eps == eps, "Mamba2 options",
            f"the same in every layer, with norm_per_group=True and norm_eps={eps}")

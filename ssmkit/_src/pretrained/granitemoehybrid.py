@@ -32,6 +32,7 @@ MODEL_TYPE = "granitemoehybrid"  # what `transformers` reads to pick the archite
 LAYERS = (Mamba2, Attention)
 REQUIRED = {"block": "mixer", "norm": "rms", "prenorm": True, "pooling": "none",
             "decoder_bias": False, "logit_cap": None, "mlp_bias": False}
+SCALES = ("residual_scale", "logits_scaling")  # the model's factors it writes
 _KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
           "attention": "attention"}
 
@@ -138,7 +139,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
       "num_hidden_layers": model.num_blocks, "tie_word_embeddings": model.tie_embeddings,
       "layer_types": [{"mamba": "linear_attention", "attention": "full_attention"}[kind]
                       for kind in bamba.mixer_kinds(model)],
-      "embedding_multiplier": float(model.scale_embeddings) if model.scale_embeddings else 1.0,
+      "embedding_multiplier": parts.embedding_multiplier(model),
       "residual_multiplier": model.residual_scale, "logits_scaling": model.logits_scaling,
       "num_local_experts": config.num_experts if config else 0,
       "shared_intermediate_size": (config.shared_width if config

@@ -114,8 +114,9 @@ def mixer_params(tensors: Tensors, where: str, layer: Mamba2, features: int) -> 
   mixer = {"in_proj": take("in_proj.weight", (2 * inner + bc + heads, features)).T,
            "conv_kernel": take("conv1d.weight", (inner + bc, 1, k))[:, 0, :].T,
            "dt_bias": take("dt_bias", (heads,)), "A_log": take("A_log", (heads,)),
-           "D": take("D", (heads,)), "norm_scale": take("norm.weight", (inner,)),
-           "out_proj": take("out_proj.weight", (features, inner)).T}
+           "D": take("D", (heads,)), "out_proj": take("out_proj.weight", (features, inner)).T}
+  if layer.gate_norm != "gate":
+    mixer["norm_scale"] = take("norm.weight", (inner,))
   if layer.use_conv_bias:
     mixer["conv_bias"] = take("conv1d.bias", (inner + bc,))
   return mixer
@@ -131,6 +132,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
       another epsilon than the model's norms: `transformers` has one, `layer_norm_epsilon`.
   """
   layer = model.layer()
+  check_plain(layer, ARCHITECTURE)
   fields = mamba.head_fields(model)
   if layer.norm_eps != fields["layer_norm_epsilon"]:
     raise CheckpointError(f"`model.norm_eps`={model.norm_eps!r}: a Mamba2ForCausalLM has one "
@@ -154,8 +156,21 @@ def mixer_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   """A Mamba-2 mixer's tensors by `transformers`' names (inside its mixer's scope)."""
   tensors = {"in_proj.weight": mixer["in_proj"].T,
              "conv1d.weight": mixer["conv_kernel"].T[:, None, :], "dt_bias": mixer["dt_bias"],
-             "A_log": mixer["A_log"], "D": mixer["D"], "norm.weight": mixer["norm_scale"],
-             "out_proj.weight": mixer["out_proj"].T}
+             "A_log": mixer["A_log"], "D": mixer["D"], "out_proj.weight": mixer["out_proj"].T}
+  if "norm_scale" in mixer:
+    tensors["norm.weight"] = mixer["norm_scale"]
   if "conv_bias" in mixer:
     tensors["conv1d.bias"] = mixer["conv_bias"]
   return tensors
+
+
+def check_plain(layer: Mamba2, architecture: str) -> None:
+  """Checks that a Mamba-2 layer gates as Mamba-2 does, without Falcon-H1's options.
+
+  Raises:
+    CheckpointError: naming `gate_norm` or `in_proj_scales`, which `architecture` lacks.
+  """
+  if layer.gate_norm != "norm_gated" or layer.in_proj_scales is not None:
+    raise CheckpointError(f"`model`: a {architecture} has Mamba2 layers with "
+                          "gate_norm='norm_gated' and no in_proj_scales (Falcon-H1's), got "
+                          f"gate_norm={layer.gate_norm!r}, in_proj_scales={layer.in_proj_scales!r}.")

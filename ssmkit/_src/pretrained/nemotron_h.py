@@ -226,6 +226,7 @@ def _fields(kind: str, layer: Any, features: int, eps: float) -> dict[str, Any]:
   """The config.json fields of the blocks of `kind`, checked to be Nemotron-H's."""
   if kind == "mamba":
     _, heads, _ = sizes(layer, features)
+    mamba2.check_plain(layer, ARCHITECTURE)
     _expect(layer.norm_per_group and layer.norm_eps == eps and layer.dt_limit[1] == math.inf,
             "Mamba2", f"norm_per_group=True, norm_eps={eps}, dt_limit=(low, inf)")
     return {"ssm_state_size": layer.d_state, "mamba_num_heads": heads,

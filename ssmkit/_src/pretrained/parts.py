@@ -4,6 +4,7 @@ block's SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,12 @@ def embedding_norm_and_head_tensors(model: Any, params: dict[str, Any], final_no
   if not model.tie_embeddings:
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
   return tensors
+
+
+def embedding_multiplier(model: Any) -> float:
+  """The factor on a model's token embeddings (its `scale_embeddings`) as a number."""
+  scale = model.scale_embeddings
+  return math.sqrt(model.features) if scale is True else float(scale or 1.0)
 
 
 def scoped(scope: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

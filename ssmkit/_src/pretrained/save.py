@@ -17,6 +17,9 @@ from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directo
 # The architectures `save` writes, each with the layers its models are made of, in the order
 # it prefers them.
 WRITTEN = MODULES
+# The model's factors that change nothing at these values, which an architecture writes only
+# where its `SCALES` name them (Granite 4.0's and Falcon-H1's multipliers).
+_NEUTRAL = {"residual_scale": 1.0, "logits_scaling": 1.0, "mlp_scales": (1.0, 1.0)}
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -100,6 +103,18 @@ def _fits(architecture: Any, model: SequenceModel) -> bool:
   return fits is None or fits(model)
 
 
+def _required(architecture: Any) -> dict[str, Any]:
+  """The model options `architecture` needs: its `REQUIRED`, and no factor of `_NEUTRAL` but
+  those it writes (its `SCALES`)."""
+  scales = getattr(architecture, "SCALES", ())
+  return {**{k: v for k, v in _NEUTRAL.items() if k not in scales}, **architecture.REQUIRED}
+
+
+def _option(model: SequenceModel, name: str) -> Any:
+  value = getattr(model, name)
+  return tuple(value) if isinstance(value, list) else value
+
+
 def _architecture(model: SequenceModel, preferred: str | None) -> Any:
   """The architecture module of `model`, checked to express it exactly: `preferred` (an
   architecture name) among those that do, where it is one.
@@ -115,10 +130,10 @@ def _architecture(model: SequenceModel, preferred: str | None) -> Any:
     raise CheckpointError(f"`model`: its layers ({names}) make no architecture that save writes "
                           "(Mamba, Falcon-Mamba, Mamba2, RGLRU and Attention as RecurrentGemma, "
                           "GatedDeltaNet and Attention as Qwen3.5).")
-  exact = [a for a in found if all(getattr(model, k) == v for k, v in a.REQUIRED.items())]
+  exact = [a for a in found if all(_option(model, k) == v for k, v in _required(a).items())]
   architecture = next((a for a in exact if preferred == a.ARCHITECTURE), (exact or found)[0])
-  for name, value in architecture.REQUIRED.items():
-    if getattr(model, name) != value:
+  for name, value in _required(architecture).items():
+    if _option(model, name) != value:
       raise CheckpointError(f"`model.{name}`={getattr(model, name)!r}: a "
                             f"{architecture.ARCHITECTURE} has {name}={value!r}.")
   if model.vocab_size is None or model.num_outputs != model.vocab_size:
