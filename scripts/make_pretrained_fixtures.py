@@ -158,6 +158,17 @@ CONFIGS = {
         ssm_multipliers=[0.5, 1.1, 0.9, 1.2, 0.8], ssm_in_multiplier=1.1,
         ssm_out_multiplier=0.6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # Gated DeltaNet (2 query/key heads read by 4 value heads, beta in (0, 2)) in pre-norm
+    # blocks, and attention with norms over all heads' queries and keys, rotary here (the
+    # published checkpoints have none), in blocks whose norms follow their branches.
+    "olmo_hybrid": transformers.OlmoHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

@@ -44,8 +44,12 @@ def _reference(layer, params, x, reset):
   q, k, v = project("q", heads), project("k", kv), project("v", kv)
   if layer.qk_norm:
     offset = 1.0 if layer.qk_norm == "rms_plus_one" else 0.0
-    q = _rms(q, offset + p["q_norm"], layer.qk_norm_eps)
-    k = _rms(k, offset + p["k_norm"], layer.qk_norm_eps)
+    if layer.qk_norm_scope == "all":  # every head's channels together
+      q = _rms(q.reshape(length, -1), offset + p["q_norm"], layer.qk_norm_eps).reshape(q.shape)
+      k = _rms(k.reshape(length, -1), offset + p["k_norm"], layer.qk_norm_eps).reshape(k.shape)
+    else:
+      q = _rms(q, offset + p["q_norm"], layer.qk_norm_eps)
+      k = _rms(k, offset + p["k_norm"], layer.qk_norm_eps)
   starts = [max([s for s in range(t + 1) if reset[s]], default=0) for t in range(length)]
   for t in range(length):
     q[t] = _rotate(q[t], t - starts[t], width, layer.rope_base)
@@ -70,6 +74,9 @@ CONFIGS = {
                                       rope_fraction=0.5, rope_base=100.0),
     "mha-global-qk-norm-cap-bias": dict(num_heads=2, head_dim=4, qk_norm=True, logit_cap=2.0,
                                         use_bias=True),
+    # OLMo 2's and OLMo Hybrid's: one norm over all heads' queries, one over the keys.
+    "gqa-qk-norm-over-all-heads": dict(num_heads=4, num_kv_heads=2, head_dim=4, qk_norm=True,
+                                       qk_norm_scope="all", qk_norm_eps=1e-2),
     "mqa-no-rotary-window-one": dict(num_heads=3, num_kv_heads=1, head_dim=2, window=1,
                                      rope_fraction=0.0),
     # Qwen3-Next's and Qwen3.5's: an output gate, (1 + w) query and key norms, a quarter

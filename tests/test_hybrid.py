@@ -65,19 +65,24 @@ def _silu(u):
 
 # The dense MLPs; the mixture of experts is tests/test_experts.py's.
 @pytest.mark.parametrize("mlp", [mlp for mlp in MLPS if mlp != "experts"])
-@pytest.mark.parametrize(("norm", "mlp_bias"), [("rms", False), ("layer", True)])
-def test_mixer_block_matches_its_formula(mlp, norm, mlp_bias):
-  block = layers.MixerBlock(layer=ATTENTION, norm=norm, mlp=mlp, mlp_expansion=1.5, mlp_bias=mlp_bias)
+@pytest.mark.parametrize(("norm", "mlp_bias", "position"),
+                         [("rms", False, "input"), ("layer", True, "input"), ("rms", True, "output")])
+def test_mixer_block_matches_its_formula(mlp, norm, mlp_bias, position):
+  """Pre-norm, or each norm on its branch's output (OLMo 2's)."""
+  block = layers.MixerBlock(layer=ATTENTION, norm=norm, mlp=mlp, mlp_expansion=1.5,
+                            mlp_bias=mlp_bias, norm_position=position)
   x = _x((2, 9, 8))
   params = compiled.init(block, x.shape)["params"]
   normalize = _rms_norm if norm == "rms" else _layer_norm
   mixer = lambda u: np.asarray(
       ATTENTION().apply({"params": params["mixer"]}, jnp.asarray(u, jnp.float32)), np.float64)
   x64 = np.asarray(x, np.float64)
-  h = x64 + mixer(normalize(params["norm"], x64))
+  before, after = ((normalize, lambda p, u: u) if position == "input"
+                   else (lambda p, u: u, normalize))
+  h = x64 + after(params["norm"], mixer(before(params["norm"], x64)))
   expected = h
   if mlp != "none":
-    u = normalize(params["mlp_norm"], h)
+    u = before(params["mlp_norm"], h)
     if mlp == "gelu":
       hidden = _gelu_tanh(_linear(params["mlp_up"], u))
       assert "mlp_gate" not in params
@@ -85,7 +90,7 @@ def test_mixer_block_matches_its_formula(mlp, norm, mlp_bias):
       activation = _gelu_tanh if mlp == "geglu" else _silu
       hidden = activation(_linear(params["mlp_gate"], u)) * _linear(params["mlp_up"], u)
     assert hidden.shape[-1] == 12  # 1.5 x 8
-    expected = h + _linear(params["mlp_down"], hidden)
+    expected = h + after(params["mlp_norm"], _linear(params["mlp_down"], hidden))
   else:
     assert set(params) == {"norm", "mixer"}
   assert all(("bias" in p) == mlp_bias for name, p in params.items() if name.startswith("mlp_") and
@@ -335,6 +340,10 @@ def test_bfloat16_computation_tracks_float32_with_float32_parameters(pattern):
         ({"layer": ()}, "`layer`"),
         ({"layer": (RGLRU, "attention")}, "`layer`"),
         ({"scan_blocks": True, "num_blocks": 2}, "`num_blocks` >= the length of the layer pattern"),
+        ({"norm_position": "middle"}, "`norm_position` must be one of"),
+        ({"norm_position": ("input", "output")}, r"one per layer of the pattern \(3\)"),
+        ({"norm_position": "output", "block": "ssm", "mlp": "none"},
+         "`norm_position` is an option of mixer blocks"),
     ],
 )
 def test_bad_options_name_the_option(kwargs, match):

@@ -191,10 +191,12 @@ def test_mamba2_rejects_heads_that_do_not_fit():
     layers.Mamba2(head_dim=8, n_groups=3).init(jax.random.key(0), x)
 
 
-def _gated_deltanet_reference(p, x, reset, *, num_heads, num_v_heads=None, eps=1e-5):
+def _gated_deltanet_reference(p, x, reset, *, num_heads, num_v_heads=None, eps=1e-5,
+                              allow_neg_eigval=False):
   """fla's GatedDeltaNet.forward with the recurrent kernel (fused_recurrent), one step at a time;
   with `num_v_heads`, q and k repeated over the value heads as fla's einops
-  `repeat('... h d -> ... (h g) d')` does."""
+  `repeat('... h d -> ... (h g) d')` does; with `allow_neg_eigval`, beta doubled (fla's
+  option of the name)."""
   v_heads = num_v_heads or num_heads
   head_k = p["q_proj"].shape[1] // num_heads
   head_v = p["v_proj"].shape[1] // v_heads
@@ -211,7 +213,7 @@ def _gated_deltanet_reference(p, x, reset, *, num_heads, num_v_heads=None, eps=1
     k = l2norm(k.reshape(num_heads, head_k))
     q, k = (np.stack([m[h // (v_heads // num_heads)] for h in range(v_heads)]) for m in (q, k))
     v = v.reshape(v_heads, head_v)
-    beta = _sigmoid(x[t] @ p["b_proj"])
+    beta = _sigmoid(x[t] @ p["b_proj"]) * (2 if allow_neg_eigval else 1)
     g = -np.exp(p["A_log"]) * _softplus(x[t] @ p["a_proj"] + p["dt_bias"])
     gate = (x[t] @ p["g_proj"]).reshape(v_heads, head_v)
     o = np.zeros((v_heads, head_v))
@@ -234,14 +236,15 @@ def test_gated_deltanet_matches_the_reference_layer():
 
 
 def test_gated_deltanet_groups_value_heads_over_shared_keys():
-  """`num_v_heads`: 6 value heads over 2 query/key heads, another norm epsilon; the sequence
-  and each step equal fla's forward pass."""
-  layer = layers.GatedDeltaNet(num_heads=2, num_v_heads=6, d_state=3, d_conv=4, norm_eps=0.2)
+  """`num_v_heads`: 6 value heads over 2 query/key heads, another norm epsilon, beta in (0, 2)
+  (OLMo Hybrid's); the sequence and each step equal fla's forward pass."""
+  layer = layers.GatedDeltaNet(num_heads=2, num_v_heads=6, d_state=3, d_conv=4, norm_eps=0.2,
+                               allow_neg_eigval=True)
   x, reset = _x((29, 6)), _resets(29)
   params = compiled.init(layer, x.shape, 13)
   assert params["params"]["q_proj"].shape == (6, 6) and params["params"]["v_proj"].shape == (6, 36)
   expected = _gated_deltanet_reference(_params64(params), np.asarray(x, np.float64), reset,
-                                       num_heads=2, num_v_heads=6, eps=0.2)
+                                       num_heads=2, num_v_heads=6, eps=0.2, allow_neg_eigval=True)
   _assert_close(compiled.run(layer, mode="chunked")(params, x, reset), expected)
   _assert_close(_stepped(layer, params, x, reset), expected)
   with pytest.raises(ValueError, match=r"`num_v_heads`=3 must be a multiple of `num_heads`=2"):

@@ -98,5 +98,5 @@ def test_mlp_scales_are_the_factors_folded_into_the_mlp_weights(mlp):
                              model().apply(folded, ids), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="`mlp_scales` must be two numbers"):
     model(mlp_scales=(a,)).init(jax.random.key(0), ids)
-  with pytest.raises(ValueError, match="`mlp_scales` scales a mixer block's branches"):
+  with pytest.raises(ValueError, match="`mlp_scales` is an option of mixer blocks"):
     model(mlp_scales=(a, b), block="ssm", mlp="none").init(jax.random.key(0), ids)

@@ -23,8 +23,9 @@ from safetensors.numpy import load_file, save_file
 import ssmkit.nnx as snx
 import ssmkit.pretrained
 from ssmkit import cli, layers, train
-from ssmkit._src.pretrained import qwen3_5
+from ssmkit._src.pretrained import olmo_hybrid, qwen3_5
 from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.save import CARRIED_FIELDS
 from ssmkit._src.train.lm import train as lm_train
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pretrained"
@@ -39,7 +40,8 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                  "bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM",
-                 "lfm2": "Lfm2ForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
+                 "lfm2": "Lfm2ForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+                 "olmo_hybrid": "OlmoHybridForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -48,11 +50,11 @@ SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
 REWRITTEN = {"lfm2": ("intermediate_size", "block_auto_adjust_ff_dim")}
 # The fixtures a run fine-tunes and saves back to their own tensors and config: every type of
 # `ssmkit.pretrained`'s first release, and one per way the later ones build their blocks
-# (experts as the block's MLP; MLP and experts blocks; parallel branches). `load` checks that
-# every model's
-# parameters are exactly its checkpoint's, and `save` of each is tested above.
+# (experts as the block's MLP; MLP and experts blocks; parallel branches; norms after their
+# branches). `load` checks that every model's parameters are exactly its checkpoint's, and
+# `save` of each is tested above.
 FINE_TUNED = ["mamba", "mamba_bias", "falcon_mamba", "mamba2", "recurrent_gemma", "qwen3_next",
-              "nemotron_h", "falcon_h1"]
+              "nemotron_h", "falcon_h1", "olmo_hybrid"]
 
 
 def _expected(name):
@@ -146,7 +148,7 @@ def _edit_weights(folder, edit):
         (lambda f: _edit_config(f, model_type="llama"),
          r"`model_type` 'llama' is not one ssmkit loads \(bamba, falcon_h1, falcon_mamba, "
          r"granitemoehybrid, jamba, lfm2, mamba, mamba2, "
-         r"nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
+         r"nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next, "
          r"recurrent_gemma\)"),
         (lambda f: _drop_config_field(f, "model_type"), r"the field `model_type` is missing"),
         (lambda f: _edit_config(f, expand=1.5), r"`expand` must be a positive integer"),
@@ -273,6 +275,17 @@ def _edit_text_config(folder, **changes):
          r"`key_multiplier` must be a positive number, got 0"),
         ("falcon_h1", lambda f: _edit_weights(f, lambda t: t.pop("model.layers.1.mamba.norm.weight")),
          r"the weight 'model.layers.1.mamba.norm.weight' is missing"),
+        ("olmo_hybrid", lambda f: _edit_config(f, layer_types=["linear_attention"] * 4),
+         r"`layer_types` must give 'linear_attention' or 'full_attention' for each of the 4 "
+         r"layers, each at least once"),
+        ("olmo_hybrid", lambda f: _edit_config(f, linear_value_head_dim=12),
+         r"`linear_value_head_dim`=12 must be a multiple of `linear_key_head_dim`=8"),
+        ("olmo_hybrid", lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn",
+                                                                   "rope_theta": 1e4}),
+         r"`rope_parameters.rope_type`='yarn' is not supported"),
+        ("olmo_hybrid", lambda f: _edit_weights(f, lambda t: t.update({
+            "model.layers.2.linear_attn.v_conv1d.weight": np.ones((31, 1, 4), np.float32)})),
+         r"the weights 'model.layers.2.linear_attn.\{q,k,v\}_conv1d.weight' have shapes"),
         ("qwen3_next", lambda f: _edit_config(f, mlp_only_layers=[1]),
          r"`decoder_sparse_step`=1 and `mlp_only_layers`=\[1\] give blocks without experts"),
         ("qwen3_next", lambda f: _edit_config(f, num_experts_per_tok=5),
@@ -287,6 +300,32 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(name, change, message, t
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
     ssmkit.pretrained.load(folder)
+
+
+def test_an_olmo_hybrid_without_rope_theta_attends_without_positions(tmp_path):
+  """The published OLMo Hybrid checkpoints have no rotary embedding (`rope_theta` null), and
+  without `rope_parameters` the base is 10,000; without `layer_types` every fourth layer
+  attends: as transformers fills them in."""
+  folder = _copy(tmp_path, "olmo_hybrid")
+  _drop_config_field(folder, "rope_parameters")
+  default, _, _ = ssmkit.pretrained.load(folder)
+  assert default.layer[1].keywords["rope_base"] == 10_000.0
+  assert default.layer[1].keywords["rope_fraction"] == 1.0
+  _edit_config(folder, rope_parameters={"rope_type": "default", "rope_theta": None})
+  model, variables, _ = ssmkit.pretrained.load(folder)
+  kinds = [(make.func.__name__, make.keywords.get("rope_fraction")) for make in model.layer]
+  assert kinds == [("GatedDeltaNet", None), ("Attention", 0.0)] * 2
+  assert model.norm_position == ("input", "output") * 2
+  ssmkit.pretrained.save(model, variables, tmp_path / "out")
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": None}
+  jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "out")[1],
+               variables)
+  values = json.loads((folder / "config.json").read_text())
+  del values["layer_types"]
+  options = olmo_hybrid.options(Fields({**values, "num_hidden_layers": 8}, folder))
+  assert [make.func.__name__ for make in options["layer"]] == (["GatedDeltaNet"] * 3
+                                                              + ["Attention"]) * 2
 
 
 def test_a_qwen_config_without_layer_types_attends_every_fourth_layer(tmp_path):
@@ -367,8 +406,11 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, again, variables)
     assert written["architectures"] == [SAVED_AS[name]]
     own = config.get("text_config", config)  # an image-text checkpoint's language model
-    assert all(written[key] == own[key] for key in written
-               if key in own and key not in ("dtype", "architectures", *REWRITTEN.get(name, ())))
+    # Without a source the special tokens are unknown: null, not the architecture's defaults.
+    unknown = () if folder == "linen" else CARRIED_FIELDS
+    assert all(written[key] is None for key in unknown)
+    assert all(written[key] == own[key] for key in written if key in own and key not in (
+        "dtype", "architectures", *REWRITTEN.get(name, ()), *unknown))
   # Blocks under nn.scan are saved one by one.
   ssmkit.pretrained.save(*_scanned(model, variables), tmp_path / "scanned",
                          architecture=SAVED_AS[name])

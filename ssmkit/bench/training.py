@@ -89,6 +89,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                       "num_attention_heads": 32, "num_key_value_heads": 8,
                       "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
                                       for i in range(16)]}),
+    "OLMo Hybrid": ("olmo_hybrid", {**_WIDE, "num_hidden_layers": 16, "intermediate_size": 6144,
+                                    "num_attention_heads": 16, "linear_num_key_heads": 16,
+                                    "linear_num_value_heads": 16, "linear_key_head_dim": 96,
+                                    "linear_value_head_dim": 192,
+                                    "rope_parameters": {"rope_theta": None}}),
     "Falcon-H1": ("falcon_h1", {**_WIDE, "num_hidden_layers": 18, "intermediate_size": 4096,
                                 "num_attention_heads": 8, "num_key_value_heads": 2,
                                 "head_dim": 128, "mamba_d_ssm": 3072, "mamba_n_heads": 48,

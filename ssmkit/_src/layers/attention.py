@@ -95,14 +95,17 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
   specs["o_proj"] = ParamSpec((heads * head_dim, features), lecun)
   if cfg.use_bias if cfg.out_bias is None else cfg.out_bias:
     specs["o_bias"] = ParamSpec((features,), nn.initializers.zeros)
+  common.check_choice(cfg.qk_norm_scope, QK_NORM_SCOPES, "qk_norm_scope")
   if norm is not None:
     start = nn.initializers.zeros if norm == "rms_plus_one" else nn.initializers.ones
-    specs["q_norm"] = ParamSpec((head_dim,), start)
-    specs["k_norm"] = ParamSpec((head_dim,), start)
+    every = cfg.qk_norm_scope == "all"
+    specs["q_norm"] = ParamSpec((heads * head_dim if every else head_dim,), start)
+    specs["k_norm"] = ParamSpec((kv * head_dim if every else head_dim,), start)
   return specs
 
 
 _QK_NORMS = ("rms", "rms_plus_one")
+QK_NORM_SCOPES = ("head", "all")
 
 
 def _qk_norm(cfg: Any) -> str | None:
@@ -334,7 +337,10 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   q, k, v = project("q", heads), project("k", kv), project("v", kv)
   norm = {"rms": rms_norm, "rms_plus_one": rms_norm_plus_one}.get(_qk_norm(cfg))
   if norm is not None:
-    q, k = norm(q, params["q_norm"], cfg.qk_norm_eps), norm(k, params["k_norm"], cfg.qk_norm_eps)
+    scoped = lambda u, scale: (norm(u, scale, cfg.qk_norm_eps) if cfg.qk_norm_scope == "head"
+                               else norm(u.reshape(*u.shape[:-2], -1), scale,
+                                         cfg.qk_norm_eps).reshape(u.shape))
+    q, k = scoped(q, params["q_norm"]), scoped(k, params["k_norm"])
   flagged = _non_finite(k) | _non_finite(v)
   where = _locate(reset, flagged, axis_name)
   step = where.offset + jnp.arange(length, dtype=jnp.int32)
@@ -451,6 +457,9 @@ class Attention(functional.LinenLayer):
     qk_norm: RMS-normalise queries and keys per head before the rotary positions: False, True
       or "rms" (learned scales w), or "rms_plus_one" (scales 1 + w, w from 0: Qwen3-Next's).
     qk_norm_eps: the epsilon of the query and key norms.
+    qk_norm_scope: "head": each head normalised on its own, its scales shared by the heads
+      (Qwen3's); "all": the queries of every head together, and the keys, each channel its
+      own scale (OLMo 2's).
     output_gate: multiply each head's output by sigmoid of a projection of the input
       (`gate_proj`, as wide as the queries) before the output projection: the gated attention
       of Qwen3-Next and Qwen3.5.
@@ -477,6 +486,7 @@ class Attention(functional.LinenLayer):
   cache_size: int = 2048
   qk_norm: bool | str = False
   qk_norm_eps: float = EPS
+  qk_norm_scope: str = "head"
   output_gate: bool = False
   logit_cap: float | None = None
   scale: float | None = None

@@ -23,6 +23,7 @@ ModuleDef = Callable[..., nn.Module]
 NORMS = ("layer", "batch", "rms", "rms_plus_one")
 ACTIVATIONS = ("gelu", "glu", "half_glu")
 MLPS = ("none", "gelu", "geglu", "swiglu", "experts")
+NORM_POSITIONS = ("input", "output")
 # The activation of each MLP; the gated ones multiply it by a second projection. ("relu2",
 # relu(u)^2, is Nemotron-H's, which `ssmkit.layers.FeedForward` takes.)
 _MLP_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -136,11 +137,13 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
                    norm: Callable[[Array], Array], dropout: Callable[[Array], Array],
                    mlp_norm: Callable[[Array], Array] | None,
                    mlp: Callable[[Array], Array] | None,
-                   scale: float = 1.0) -> tuple[Any, Array]:
+                   scale: float = 1.0, norm_position: str = "input") -> tuple[Any, Array]:
   """The transformer-style block from its parts, as both front ends compose it.
 
   h = x + s dropout(mixer(norm(x))); y = h + s dropout(mlp(mlp_norm(h))), or y = h without an
-  MLP; s = `scale` (Granite's residual multiplier).
+  MLP; s = `scale` (Granite's residual multiplier). With `norm_position` "output" each norm
+  takes its branch's output instead (OLMo 2's): h = x + s dropout(norm(mixer(x))), y = h +
+  s dropout(mlp_norm(mlp(h))).
 
   Args:
     x: `(..., T, H)` inputs, or `(*batch, H)` for one step.
@@ -152,18 +155,22 @@ def mixer_residual(x: Array, mask: Array | None, mixer: Callable[[Array], tuple[
     mlp_norm: the normalisation before the MLP, or None without one.
     mlp: the MLP (see `feed_forward`), or None.
     scale: the factor on both branches before they join the residual stream.
+    norm_position: "input" (the norms before their branches) or "output" (after them).
 
   Returns:
     `(carry, y)`: the mixer's carry and the outputs, of `x`'s shape and dtype.
   """
+  common.check_choice(norm_position, NORM_POSITIONS, "norm_position")
   scaled = (lambda u: u) if scale == 1.0 else (lambda u: u * scale)
-  h = norm(x)
+  before, after = (norm, lambda u: u) if norm_position == "input" else (lambda u: u, norm)
+  h = before(x)
   if mask is not None:
     h = jnp.where(mask[..., None], h, jnp.zeros_like(h))
   carry, h = mixer(h)
-  x = x + scaled(dropout(h)).astype(x.dtype)
+  x = x + scaled(dropout(after(h))).astype(x.dtype)
   if mlp is not None:
-    x = x + scaled(dropout(mlp(mlp_norm(x)))).astype(x.dtype)
+    h = mlp(mlp_norm(x)) if norm_position == "input" else mlp_norm(mlp(x))
+    x = x + scaled(dropout(h)).astype(x.dtype)
   return carry, x
 
 
@@ -347,6 +354,8 @@ class MixerBlock(_Block):
       residual stream (Granite's `residual_multiplier`).
     mlp_scales: (a, b): the dense MLP's activation input times a and its output times b
       (Falcon-H1's `mlp_multipliers`).
+    norm_position: "input": each norm before its branch (pre-norm); "output": after it, on
+      the branch's output before the residual (OLMo 2's and OLMo 3's attention blocks).
     mlp_bias: biases in the MLP's projections.
     dropout_rate: dropout on the mixer's and the MLP's outputs, when `train`.
 
@@ -363,6 +372,7 @@ class MixerBlock(_Block):
   experts: Experts | None = None
   residual_scale: float = 1.0
   mlp_scales: tuple[float, float] = (1.0, 1.0)
+  norm_position: str = "input"
   dropout_rate: float = 0.0
 
   @nn.compact
@@ -395,7 +405,8 @@ class MixerBlock(_Block):
     return mixer_residual(x, mask, mixer,
                           norm=lambda u: norm(u, mask, train=train, axis_name=axis_name),
                           dropout=nn.Dropout(self.dropout_rate, deterministic=not train),
-                          mlp_norm=mlp_norm, mlp=mlp, scale=self.residual_scale)
+                          mlp_norm=mlp_norm, mlp=mlp, scale=self.residual_scale,
+                          norm_position=self.norm_position)
 
 
 def check_experts(mlp: str, experts: Experts | None) -> None:

@@ -59,7 +59,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
   # once and then repeated.
   q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
-  beta = delta_heads.write_strength(params, x, dtype)
+  beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   g = delta_heads.head_decay(params, x)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
                     initial_state=state.recurrent, reset=reset, mode=mode,
@@ -83,7 +83,8 @@ class GatedDeltaNet(functional.LinenLayer):
   Inputs `(..., T, H)` give outputs `(..., T, H)`. q, k (`num_heads` heads of K = `d_state`
   channels) and v (heads of V = `expand_v` * K) are projections of the input, each through
   a short causal convolution and SiLU; q and k are scaled to unit length and q by K^-1/2.
-  Per step and head, beta_t = sigmoid(W_beta x_t) and the decay as in Mamba-2,
+  Per step and head, beta_t = sigmoid(W_beta x_t) (twice that with `allow_neg_eigval`) and
+  the decay as in Mamba-2,
   g_t = -exp(A_log) softplus(W_a x_t + dt_bias):
 
     S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,    o_t = q_t S_t,
@@ -103,6 +104,8 @@ class GatedDeltaNet(functional.LinenLayer):
       Qwen3-Next and flash-linear-attention's `num_v_heads`): each group of
       num_v_heads / num_heads of them reads one query and key head; None: `num_heads`.
     norm_eps: the epsilon of the output's per-head RMSNorm (Qwen3-Next: 1e-6).
+    allow_neg_eigval: beta in (0, 2) rather than (0, 1), so a step's transition may reflect
+      (a negative eigenvalue; Grazzi et al. 2025, OLMo Hybrid's `linear_allow_neg_eigval`).
     d_conv: width of the causal convolutions.
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
     param_dtype: dtype of the parameters.
@@ -118,6 +121,7 @@ class GatedDeltaNet(functional.LinenLayer):
   expand_v: int = 2
   num_v_heads: int | None = None
   norm_eps: float = EPS
+  allow_neg_eigval: bool = False
   d_conv: int = 4
   chunk_size: int | None = None
   param_dtype: jnp.dtype = jnp.float32

@@ -16,6 +16,7 @@ from ssmkit._src.engine import axis_position
 from ssmkit._src.layers import common
 from ssmkit._src.layers.attention import Attention
 from ssmkit._src.layers.block import (
+  NORM_POSITIONS,
   MixerBlock,
   ModuleDef,
   Norm,
@@ -44,9 +45,27 @@ BLOCK_OPTIONS = {
 }
 
 
-def block_options(model: Any) -> dict[str, Any]:
-  """The options of the blocks of a `SequenceModel` of either front end."""
-  return {name: getattr(model, name) for name in BLOCK_OPTIONS[model.block]}
+def block_options(model: Any, index: int) -> dict[str, Any]:
+  """The options of block `index` of a `SequenceModel` of either front end: the model's, and
+  its `norm_position` at that place of the layer pattern."""
+  options = {name: getattr(model, name) for name in BLOCK_OPTIONS[model.block]}
+  if model.block == "mixer":
+    options["norm_position"] = norm_positions(model)[index % len(layer_pattern(model.layer))]
+  return options
+
+
+def norm_positions(model: Any) -> tuple[str, ...]:
+  """The `norm_position` of each place of a model's layer pattern, checked.
+
+  Raises:
+    ValueError: naming `norm_position` when it is not a position or one per pattern place.
+  """
+  positions, length = model.norm_position, len(layer_pattern(model.layer))
+  positions = (positions,) * length if isinstance(positions, str) else tuple(positions)
+  if len(positions) != length or not set(positions) <= set(NORM_POSITIONS):
+    raise ValueError(f"`norm_position` must be one of {NORM_POSITIONS} or a sequence of them, "
+                     f"one per layer of the pattern ({length}), got {model.norm_position!r}.")
+  return positions
 
 
 def scale_embeddings(model: Any, x: Array) -> Array:
@@ -125,10 +144,11 @@ def check_model(model: Any) -> None:
       raise ValueError(f"`{name}` must be > 0, got {getattr(model, name)!r}.")
   check_mlp_scales(model.mlp_scales)
   changed = {"residual_scale": model.residual_scale != 1.0,
-             "mlp_scales": tuple(model.mlp_scales) != (1.0, 1.0)}
-  for name in (name for name, scales in changed.items() if scales):
+             "mlp_scales": tuple(model.mlp_scales) != (1.0, 1.0),
+             "norm_position": set(norm_positions(model)) != {"input"}}
+  for name in (name for name, given in changed.items() if given):
     if model.block != "mixer":
-      raise ValueError(f"`{name}` scales a mixer block's branches: it needs block='mixer', "
+      raise ValueError(f"`{name}` is an option of mixer blocks: it needs block='mixer', "
                        f"got block={model.block!r}.")
   if model.norm_eps is not None and not model.norm_eps > 0:
     raise ValueError(f"`norm_eps` must be > 0 or None, got {model.norm_eps!r}.")
@@ -248,6 +268,9 @@ class SequenceModel(nn.Module):
       stream (block "mixer"; Granite's `residual_multiplier`).
     mlp_scales: (a, b): each dense MLP's activation input times a, its output times b
       (block "mixer"; Falcon-H1's `mlp_multipliers`).
+    norm_position: where a mixer block's norms sit: "input" (pre-norm) or "output" (on each
+      branch's output, OLMo 2's), or one of these per layer of the pattern (OLMo Hybrid's
+      attention blocks "output", its Gated DeltaNet blocks "input").
     dtype: the computation dtype of the model's activations, embeddings, norms and
       projections, e.g. `jnp.bfloat16` for mixed precision; None: that of the inputs and
       parameters. The layers take their inputs in it, multiply their projections in it
@@ -280,18 +303,21 @@ class SequenceModel(nn.Module):
   logits_scaling: float = 1.0
   residual_scale: float = 1.0
   mlp_scales: tuple[float, float] = (1.0, 1.0)
+  norm_position: str | tuple[str, ...] = "input"
   dtype: Any = None
   param_dtype: Any = jnp.float32
 
   def __post_init__(self) -> None:
-    if isinstance(self.layer, list):  # a list would make the module unhashable (`generate` hashes it)
-      object.__setattr__(self, "layer", tuple(self.layer))
+    # A list would make the module unhashable (`generate` hashes it).
+    for name in ("layer", "norm_position"):
+      if isinstance(getattr(self, name), list):
+        object.__setattr__(self, name, tuple(getattr(self, name)))
     super().__post_init__()
 
   def _block(self, index: int) -> ModuleDef:
     """The factory of block `index` (`block_layer`)."""
     cls = SSMBlock if self.block == "ssm" else MixerBlock
-    return functools.partial(cls, layer=block_layer(self, index), **block_options(self))
+    return functools.partial(cls, layer=block_layer(self, index), **block_options(self, index))
 
   def _blocks(self) -> tuple[ModuleDef, ...]:
     """One block factory per position of the layer pattern, as in its first repeat."""

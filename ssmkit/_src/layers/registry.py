@@ -71,8 +71,8 @@ LAYERS: dict[str, Entry] = {
     "attention": Entry(Attention, (
         {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "window": 5, "rope_fraction": 0.5,
          "qk_norm": "rms_plus_one", "output_gate": True},
-        {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "logit_cap": 3.0,
-         "use_bias": True},
+        {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "qk_norm_scope": "all",
+         "logit_cap": 3.0, "use_bias": True},
     )),
     "feed_forward": Entry(FeedForward, ({"kind": "swiglu", "width": 6},
                                         {"kind": "relu2", "width": 5})),

@@ -13,6 +13,7 @@ from flax import nnx
 from ssmkit._src.layers import common
 from ssmkit._src.layers.block import (
   ACTIVATIONS,
+  NORM_POSITIONS,
   NORMS,
   check_experts,
   check_mask,
@@ -227,8 +228,8 @@ class MixerBlock(_Block):
                param_dtype: Any = jnp.float32, norm: str = "rms", norm_eps: float | None = None,
                mlp: str = "none", mlp_expansion: float = 4.0, mlp_bias: bool = False,
                experts: Experts | None = None, residual_scale: float = 1.0,
-               mlp_scales: tuple[float, float] = (1.0, 1.0), dropout_rate: float = 0.0,
-               rngs: nnx.Rngs):
+               mlp_scales: tuple[float, float] = (1.0, 1.0), norm_position: str = "input",
+               dropout_rate: float = 0.0, rngs: nnx.Rngs):
     """Builds the block.
 
     Args:
@@ -244,12 +245,14 @@ class MixerBlock(_Block):
       experts: the mixture of `mlp="experts"` (`ssmkit.layers.Experts`).
       residual_scale: the factor on the mixer's and the MLP's outputs before the residual.
       mlp_scales: (a, b): the dense MLP's activation input times a, its output times b.
+      norm_position: "input" (pre-norm) or "output" (each norm on its branch's output).
       dropout_rate: dropout on the mixer's and the MLP's outputs, in training mode.
       rngs: the parameters' and dropout's random streams.
     """
     common.check_positive_int(features, "features")
     check_experts(mlp, experts)
     check_mlp_scales(mlp_scales)
+    common.check_choice(norm_position, NORM_POSITIONS, "norm_position")
     self.features = features
     self.mlp = mlp
     self.mlp_expansion = mlp_expansion
@@ -257,6 +260,7 @@ class MixerBlock(_Block):
     self.experts = experts
     self.residual_scale = residual_scale
     self.mlp_scales = tuple(mlp_scales)
+    self.norm_position = norm_position
     self.dtype, self.param_dtype = dtype, param_dtype
     precision = dict(dtype=dtype, param_dtype=param_dtype)
     self.norm_eps = norm_eps
@@ -295,4 +299,4 @@ class MixerBlock(_Block):
         norm=lambda u: norm(self.norm, u),
         dropout=lambda u: self.dropout(u, deterministic=True if single_step else None),
         mlp_norm=None if mlp is None else (lambda u: norm(self.mlp_norm, u)), mlp=mlp,
-        scale=self.residual_scale)
+        scale=self.residual_scale, norm_position=self.norm_position)

@@ -34,7 +34,7 @@ _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "poolin
                   "norm_eps", "activation", "mlp", "mlp_expansion", "mlp_bias", "experts",
                   "dropout_rate", "prenorm", "scan_blocks", "tie_embeddings", "decoder_bias",
                   "scale_embeddings", "logit_cap", "logits_scaling", "residual_scale", "mlp_scales",
-                  "dtype",
+                  "norm_position", "dtype",
                   "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
@@ -104,7 +104,8 @@ def _linen_factory(layer: Layer) -> Callable[..., nn.Module]:
 def _block_options(block: Any) -> dict[str, Any]:
   """The options of a linen block, but its layer."""
   kind = "mixer" if isinstance(block, linen_block.MixerBlock) else "ssm"
-  return {name: getattr(block, name) for name in linen_model.BLOCK_OPTIONS[kind]}
+  own = ("norm_position",) if kind == "mixer" else ()
+  return {name: getattr(block, name) for name in (*linen_model.BLOCK_OPTIONS[kind], *own)}
 
 
 def _pattern_layers(model: SequenceModel) -> list[Layer]:
@@ -204,6 +205,7 @@ def to_linen(model: Module) -> tuple[nn.Module, dict[str, Any]]:
         layer=_linen_factory(model.mixer), norm=norm_kind(model.norm), norm_eps=model.norm_eps,
         mlp=model.mlp, mlp_expansion=model.mlp_expansion, mlp_bias=model.mlp_bias,
         experts=model.experts, residual_scale=model.residual_scale, mlp_scales=model.mlp_scales,
+        norm_position=model.norm_position,
         dropout_rate=model.dropout.rate, dtype=model.dtype,
         param_dtype=model.param_dtype)
   elif isinstance(model, Layer):

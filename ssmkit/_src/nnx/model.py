@@ -79,7 +79,8 @@ class SequenceModel(nnx.Module):
                tie_embeddings: bool = False, decoder_bias: bool = True,
                scale_embeddings: bool | float = False, logit_cap: float | None = None,
                logits_scaling: float = 1.0, residual_scale: float = 1.0,
-               mlp_scales: tuple[float, float] = (1.0, 1.0), dtype: Any = None,
+               mlp_scales: tuple[float, float] = (1.0, 1.0),
+               norm_position: str | tuple[str, ...] = "input", dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     """Builds the model.
 
@@ -113,6 +114,8 @@ class SequenceModel(nnx.Module):
       residual_scale: the factor on each mixer block's branches (block "mixer").
       mlp_scales: (a, b): each dense MLP's activation input times a, its output times b
         (block "mixer").
+      norm_position: "input" or "output", or one per layer of the pattern (block "mixer"; see
+        `ssmkit.layers.SequenceModel`).
       dtype: the computation dtype of the activations, embeddings, norms and projections
         (e.g. `jnp.bfloat16`); None: that of the inputs and parameters.
       param_dtype: the dtype of the model's own parameters (the layers have their own).
@@ -146,6 +149,7 @@ class SequenceModel(nnx.Module):
     self.logits_scaling = logits_scaling
     self.residual_scale = residual_scale
     self.mlp_scales = tuple(mlp_scales)
+    self.norm_position = norm_position if isinstance(norm_position, str) else tuple(norm_position)
     self.dtype, self.param_dtype = dtype, param_dtype
     check_model(self)
     precision = dict(dtype=dtype, param_dtype=param_dtype)
@@ -155,7 +159,7 @@ class SequenceModel(nnx.Module):
       self.encoder = nnx.Embed(vocab_size, features, rngs=rngs, **precision)
     cls = SSMBlock if block == "ssm" else MixerBlock
     make_block = lambda i: functools.partial(cls, features, layer=block_layer(self, i),
-                                             **block_options(self))
+                                             **block_options(self, i))
     blocks = [make_block(j) for j in range(len(layer_pattern(layer)))]  # the first repeat
     tail = None
     if not scan_blocks:

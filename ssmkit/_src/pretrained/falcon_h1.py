@@ -40,7 +40,7 @@ MODEL_TYPE = "falcon_h1"  # what `transformers` reads to pick the architecture
 LAYERS = (Parallel,)
 REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "swiglu", "prenorm": True, "pooling": "none",
             "decoder_bias": False, "logit_cap": None, "residual_scale": 1.0}
-SCALES = ("mlp_scales", "logits_scaling")  # the model's factors it writes
+WRITES = ("mlp_scales", "logits_scaling")  # its options beyond the usual
 _GATES = {(False, True): "gate", (False, False): "gate", (True, True): "gate_normed",
           (True, False): "norm_gated"}  # by (mamba_rms_norm, mamba_norm_before_gate)
 _BRANCH_SCALES = (("ssm_in_multiplier", "attention_in_multiplier"),

@@ -96,8 +96,8 @@ class Tensors:
     old, new = self._renamed
     return self._names.get(name, _swap(name, new, old))
 
-  def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The tensor `name` as float32, checked to have `shape`.
+  def take(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+    """The tensor `name` as float32, checked to have `shape` (None: the caller checks it).
 
     Raises:
       CheckpointError: naming the tensor when it is missing or of another shape.
@@ -105,7 +105,7 @@ class Tensors:
     if name not in self._tensors:
       raise CheckpointError(f"{self.source}: the weight {self._stored(name)!r} is missing.")
     value = self._tensors.pop(name)
-    if tuple(value.shape) != tuple(shape):
+    if shape is not None and tuple(value.shape) != tuple(shape):
       raise CheckpointError(f"{self.source}: the weight {self._stored(name)!r} has shape "
                             f"{tuple(value.shape)}, expected {tuple(shape)}.")
     return np.asarray(value, np.float32)

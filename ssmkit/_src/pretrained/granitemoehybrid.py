@@ -32,7 +32,7 @@ MODEL_TYPE = "granitemoehybrid"  # what `transformers` reads to pick the archite
 LAYERS = (Mamba2, Attention)
 REQUIRED = {"block": "mixer", "norm": "rms", "prenorm": True, "pooling": "none",
             "decoder_bias": False, "logit_cap": None, "mlp_bias": False}
-SCALES = ("residual_scale", "logits_scaling")  # the model's factors it writes
+WRITES = ("residual_scale", "logits_scaling")  # its options beyond the usual
 _KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
           "attention": "attention"}
 

@@ -148,7 +148,8 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
   if attentions:
     layer = attentions[0]
     heads = layer.num_heads
-    _expect(layer.qk_norm in (True, "rms") and layer.qk_norm_eps == eps and layer.window is None
+    _expect(layer.qk_norm in (True, "rms") and layer.qk_norm_scope == "head"
+            and layer.qk_norm_eps == eps and layer.window is None
             and not layer.use_bias and not layer.out_bias and not layer.output_gate
             and layer.logit_cap is None and layer.scale is None and layer.rope_fraction == 1.0
             and layer.head_dim in (None, features // heads), "Attention",

@@ -234,8 +234,9 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
             "layer_types": [_KINDS[type(made[i % len(made)])] for i in range(model.num_blocks)]}
   if deltanets:
     layer = deltanets[0]
-    _expect(layer.d_state is not None and layer.norm_eps == eps, "GatedDeltaNet",
-            f"given d_state, and norm_eps the model's norm_eps ({eps})")
+    _expect(layer.d_state is not None and layer.norm_eps == eps and not layer.allow_neg_eigval,
+            "GatedDeltaNet", f"given d_state, norm_eps the model's norm_eps ({eps}), and "
+            "allow_neg_eigval=False")
     fields.update(linear_num_key_heads=layer.num_heads, linear_key_head_dim=layer.d_state,
                   linear_num_value_heads=layer.num_v_heads or layer.num_heads,
                   linear_value_head_dim=layer.expand_v * layer.d_state,
@@ -264,8 +265,9 @@ def attention_fields(layer: Attention, features: int, eps: float) -> dict[str, A
     CheckpointError: naming the attention option they do not have.
   """
   out_bias = layer.use_bias if layer.out_bias is None else layer.out_bias
-  _expect(layer.output_gate and layer.qk_norm == "rms_plus_one" and layer.qk_norm_eps == eps,
-          "Attention", f"output_gate=True, qk_norm='rms_plus_one', qk_norm_eps={eps}")
+  _expect(layer.output_gate and layer.qk_norm == "rms_plus_one" and layer.qk_norm_eps == eps
+          and layer.qk_norm_scope == "head", "Attention",
+          f"output_gate=True, qk_norm='rms_plus_one' per head, qk_norm_eps={eps}")
   _expect(layer.window is None and layer.logit_cap is None and out_bias == layer.use_bias,
           "Attention", "global (window None), without logit_cap, with out_bias as use_bias")
   heads = layer.num_heads

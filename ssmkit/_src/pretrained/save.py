@@ -17,9 +17,11 @@ from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directo
 # The architectures `save` writes, each with the layers its models are made of, in the order
 # it prefers them.
 WRITTEN = MODULES
-# The model's factors that change nothing at these values, which an architecture writes only
-# where its `SCALES` name them (Granite 4.0's and Falcon-H1's multipliers).
-_NEUTRAL = {"residual_scale": 1.0, "logits_scaling": 1.0, "mlp_scales": (1.0, 1.0)}
+# Model options at the values that most architectures have; an architecture writes others only
+# where its `WRITES` names the option (Granite 4.0's and Falcon-H1's multipliers, OLMo
+# Hybrid's norms after their branches).
+_PLAIN = {"residual_scale": 1.0, "logits_scaling": 1.0, "mlp_scales": (1.0, 1.0),
+          "norm_position": "input"}
 # What `save` carries over from the checkpoint a model came from: its tokenizer's files, its
 # generation settings, and the special tokens its config.json names.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -35,14 +37,11 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
   Args:
-    model: a linen `SequenceModel` that a published architecture expresses: of
-      `ssmkit.layers.Mamba` (`MambaForCausalLM`) or `ssmkit.layers.Mamba2` blocks
-      (`Mamba2ForCausalLM`) with `block="mixer"`, `norm="rms"`, `mlp="none"`; or a pattern of
-      `RGLRU` and `Attention` blocks with GeGLU MLPs, as `ssmkit.pretrained.load` builds a
-      `RecurrentGemmaForCausalLM`, or of `GatedDeltaNet` and gated `Attention` blocks with
-      SwiGLU MLPs and (1 + w) norms, as it builds a `Qwen3_5ForCausalLM` (with a mixture of
-      experts: `Qwen3NextForCausalLM` or `Qwen3_5MoeForCausalLM`); token inputs and outputs,
-      blocks unrolled or scanned. Or its NNX twin (then `variables` is ignored).
+    model: a linen `SequenceModel` that an architecture of `ARCHITECTURES` expresses, as
+      `ssmkit.pretrained.load` builds it (e.g. `ssmkit.layers.Mamba` blocks with
+      `block="mixer"`, `norm="rms"`, `mlp="none"`: a `MambaForCausalLM`; docs/pretrained.md
+      lists each); token inputs and outputs, blocks unrolled or scanned. Or its NNX twin
+      (then `variables` is ignored).
     variables: the linen model's variables (`{"params": ...}`), e.g. of a trained `lm` run.
     directory: the folder to write; created if needed.
     source: where the model came from, whose tokenizer goes with it: a checkpoint folder or hub
@@ -72,8 +71,11 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   architecture = chosen
   params = jax.tree.map(lambda v: np.asarray(v, np.float32), variables["params"])
   fields, tensors = architecture.checkpoint(model, _blocks(model, params), params)
+  # Special tokens unknown without a source, rather than the architecture's defaults, which
+  # need not lie in this model's vocabulary.
   config = {"architectures": [architecture.ARCHITECTURE], **fields,
-            "vocab_size": model.vocab_size, "dtype": "float32"}
+            "vocab_size": model.vocab_size, "dtype": "float32",
+            **dict.fromkeys(CARRIED_FIELDS)}
   from safetensors.numpy import save_file
 
   folder = pathlib.Path(directory)
@@ -104,15 +106,19 @@ def _fits(architecture: Any, model: SequenceModel) -> bool:
 
 
 def _required(architecture: Any) -> dict[str, Any]:
-  """The model options `architecture` needs: its `REQUIRED`, and no factor of `_NEUTRAL` but
-  those it writes (its `SCALES`)."""
-  scales = getattr(architecture, "SCALES", ())
-  return {**{k: v for k, v in _NEUTRAL.items() if k not in scales}, **architecture.REQUIRED}
+  """The model options `architecture` needs: its `REQUIRED`, and those of `_PLAIN` that it
+  does not write (its `WRITES`)."""
+  written = getattr(architecture, "WRITES", ())
+  return {**{k: v for k, v in _PLAIN.items() if k not in written}, **architecture.REQUIRED}
 
 
 def _option(model: SequenceModel, name: str) -> Any:
+  """The model option `name`; one norm position for every block where they are the same."""
   value = getattr(model, name)
-  return tuple(value) if isinstance(value, list) else value
+  value = tuple(value) if isinstance(value, list) else value
+  if name == "norm_position" and not isinstance(value, str) and len(set(value)) == 1:
+    return value[0]
+  return value
 
 
 def _architecture(model: SequenceModel, preferred: str | None) -> Any:
@@ -177,4 +183,7 @@ def _carry(source: str | pathlib.Path, folder: pathlib.Path) -> dict[str, Any]:
   if not (origin / CONFIG).is_file():
     return {}
   values = read_config(origin)
-  return {name: values[name] for name in CARRIED_FIELDS if name in values}
+  # An image-text checkpoint gives them for its language model (`text_config`), or outside it.
+  text = values.get("text_config") if isinstance(values.get("text_config"), dict) else {}
+  return {name: text.get(name) if values.get(name) is None else values[name]
+          for name in CARRIED_FIELDS}
