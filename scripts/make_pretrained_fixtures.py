@@ -169,6 +169,20 @@ CONFIGS = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # KDA (2 heads of 16), multi-head latent attention (4 heads, a latent of 16, 4 shared
+    # channels that carry no positions), KDA, attention; a SwiGLU MLP in the first layer and
+    # DeepSeek-V3's experts after it (4, top 2 among 1 of 2 groups, sigmoid scores with their
+    # correction bias, routed scaling, a shared expert).
+    "kimi_linear": transformers.KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=8, linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4,
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2),
 }
 # The classes that `AutoModelForCausalLM` does not choose for a config: the image-text models.
 MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

@@ -173,3 +173,70 @@ def test_bad_options_are_named():
   ]:
     with pytest.raises(ValueError, match=match):
       layers.Attention(**options).init(jax.random.key(0), x)
+
+
+def _latent_reference(layer, params, x, reset):
+  """Multi-head latent attention in its expanded form (every head's keys and values up from
+  the latent, as transformers' `KimiLinearAttention` and DeepSeek-V2 write it), one query at a
+  time in float64; the rotary channels last in each head, turned as `_rotate` turns them."""
+  p = {name: np.asarray(value, np.float64) for name, value in params["params"].items()}
+  length = x.shape[0]
+  heads, rank = layer.num_heads, layer.kv_lora_rank
+  nope, rope, v_dim = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+  bias = lambda name: p.get(f"{name}_bias", 0.0)
+  if layer.q_lora_rank is None:
+    q = x @ p["q_proj"]
+  else:
+    q = _rms(x @ p["q_down"] + bias("q_down"), p["q_norm"], layer.norm_eps) @ p["q_up"]
+  q = q.reshape(length, heads, nope + rope)
+  compressed = x @ p["kv_down"] + bias("kv_down")
+  latent, k_rot = _rms(compressed[:, :rank], p["kv_norm"], layer.norm_eps), compressed[:, rank:]
+  kv = (latent @ p["kv_up"]).reshape(length, heads, nope + v_dim)
+  k = np.concatenate([kv[..., :nope], np.repeat(k_rot[:, None], heads, axis=1)], axis=-1)
+  v = kv[..., nope:]
+  starts = [max([s for s in range(t + 1) if reset[s]], default=0) for t in range(length)]
+  if layer.rope_base is not None:  # rotate the last `rope` channels of each query and key head
+    for t in range(length):
+      for m in (q, k):
+        m[t, :, nope:] = _rotate(m[t, :, nope:], t - starts[t], rope, layer.rope_base)
+  out = np.zeros((length, heads, v_dim))
+  for t in range(length):
+    first = starts[t] if layer.window is None else max(starts[t], t - layer.window + 1)
+    for n in range(heads):
+      logits = k[first:t + 1, n] @ q[t, n] * (layer.scale or (nope + rope) ** -0.5)
+      weights = np.exp(logits - logits.max())
+      out[t, n] = weights / weights.sum() @ v[first:t + 1, n]
+  return out.reshape(length, heads * v_dim) @ p["o_proj"] + bias("o")
+
+
+LATENT = {
+    "rotary-window": dict(num_heads=3, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=5,
+                          kv_lora_rank=6, window=6, rope_base=50.0),
+    # Kimi Linear's: no positions; with a query bottleneck, biases and a scale of its own.
+    "nope-lora-bias-scaled": dict(num_heads=2, qk_nope_head_dim=5, qk_rope_head_dim=2,
+                                  v_head_dim=3, kv_lora_rank=4, q_lora_rank=3, rope_base=None,
+                                  use_bias=True, scale=0.3, norm_eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(LATENT))
+def test_latent_attention_is_the_expanded_form_and_decodes_from_its_latent_cache(name):
+  layer = layers.LatentAttention(**LATENT[name])
+  x = _x((2, 17, 6), seed=9)
+  reset = np.random.default_rng(2).uniform(size=(2, 17)) < 0.15
+  params = jax.tree.map(lambda v: 2 * v, compiled.init(layer, x.shape, 3))
+  whole = compiled.run(layer)(params, x, reset)
+  for row in range(2):
+    _assert_close(whole[row], _latent_reference(layer, params, np.asarray(x[row], np.float64),
+                                                reset[row]))
+  # The cache holds per step the rotary key and the latent, whatever the number of heads.
+  _, state = compiled.run(layer, return_state=True)(params, x[:, :9], reset[:, :9])
+  spec = LATENT[name]
+  size = spec.get("window") or layer.cache_size
+  assert state.k.shape == (2, size, 1, spec["qk_rope_head_dim"] + spec["kv_lora_rank"])
+  step = compiled.run(layer, method="step")
+  for t in range(9, 17):
+    state, y_t = step(params, state, x[:, t], reset[:, t])
+    _assert_close(y_t, np.asarray(whole[:, t], np.float64))
+  with pytest.raises(ValueError, match="`qk_rope_head_dim` must be an int >= 0, even where"):
+    layers.LatentAttention(qk_rope_head_dim=3).init(jax.random.key(0), x)

@@ -177,7 +177,7 @@ def _equations(jaxpr):
 # bfloat16 inputs; the LRU's, S4D's and S5's matrices are their recurrences' B and C.
 PROJECTING = frozenset({"FeedForward", "Mamba", "Mamba2", "Mamba3", "GatedDeltaNet",
                         "KimiDeltaAttention", "GatedDeltaProduct", "RWKV7", "RGLRU", "MinGRU",
-                        "Attention", "ShortConv", "Parallel"})
+                        "Attention", "ShortConv", "Parallel", "LatentAttention"})
 
 
 def test_bfloat16_inputs_keep_their_dtype_and_project_in_bfloat16(layer):

@@ -393,8 +393,10 @@ def _l2norm(v):
 
 
 def _kda_reference(p, x, reset, *, num_heads, num_v_heads=None, allow_neg_eigval=False,
-                   lower_bound=None, eps=1e-5):
-  """fla's KimiDeltaAttention.forward with `naive_recurrent_kda`, one step at a time."""
+                   lower_bound=None, eps=1e-5, gate_bias=True):
+  """fla's KimiDeltaAttention.forward with `naive_recurrent_kda`, one step at a time (without a
+  gate bias: transformers' `KimiLinearDeltaAttention`)."""
+  assert ("g_bias" in p) == gate_bias
   v_heads = num_v_heads or num_heads
   head_k = p["q_proj"].shape[1] // num_heads
   head_v = p["v_proj"].shape[1] // v_heads
@@ -419,15 +421,15 @@ def _kda_reference(p, x, reset, *, num_heads, num_v_heads=None, allow_neg_eigval
       state[h] = state[h] * np.exp(g[h])[:, None]
       state[h] = state[h] + np.outer(beta[h] * k[h], v[h] - k[h] @ state[h])
       o[h] = q[h] @ state[h]
-    gate = (x[t] @ p["g_down"] @ p["g_up"] + p["g_bias"]).reshape(v_heads, head_v)
+    gate = (x[t] @ p["g_down"] @ p["g_up"] + p.get("g_bias", 0.0)).reshape(v_heads, head_v)
     o = _rms_norm(o, eps) * p["norm_scale"] * _sigmoid(gate)
     ys.append(o.reshape(-1) @ p["o_proj"])
   return np.stack(ys)
 
 
 @pytest.mark.parametrize("options", [dict(num_heads=2), dict(
-    num_heads=2, num_v_heads=4, allow_neg_eigval=True, lower_bound=-5.0)],
-                         ids=["default", "grouped-bounded"])
+    num_heads=2, num_v_heads=4, allow_neg_eigval=True, lower_bound=-5.0, gate_bias=False)],
+                         ids=["default", "grouped-bounded-unbiased"])
 def test_kimi_delta_attention_matches_the_reference_layer(options):
   layer = layers.KimiDeltaAttention(d_state=3, d_conv=4, **options)
   x, reset = _x((29, 6)), _resets(29)

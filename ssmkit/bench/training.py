@@ -94,6 +94,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "linear_num_value_heads": 16, "linear_key_head_dim": 96,
                                     "linear_value_head_dim": 192,
                                     "rope_parameters": {"rope_theta": None}}),
+    "Kimi Linear": ("kimi_linear", {
+        **_WIDE, "num_hidden_layers": 8, "intermediate_size": 6144, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "linear_num_heads": 16,
+        "linear_head_dim": 128, "num_experts": 32, "num_experts_per_token": 4,
+        "moe_intermediate_size": 512, "num_shared_experts": 1, "num_expert_group": 1,
+        "routed_scaling_factor": 2.446}),
     "Falcon-H1": ("falcon_h1", {**_WIDE, "num_hidden_layers": 18, "intermediate_size": 4096,
                                 "num_attention_heads": 8, "num_key_value_heads": 2,
                                 "head_dim": 128, "mamba_d_ssm": 3072, "mamba_n_heads": 48,

@@ -9,6 +9,7 @@ from ssmkit._src.layers.functional import ValueResidual
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
+from ssmkit._src.layers.latent_attention import LatentAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
@@ -36,6 +37,7 @@ __all__ = [
     "GatedDeltaNet",
     "GatedDeltaProduct",
     "KimiDeltaAttention",
+    "LatentAttention",
     "Mamba",
     "Mamba2",
     "Mamba3",

@@ -152,10 +152,11 @@ def rotary(x: Array, positions: Array, width: int, base: float) -> Array:
 def _attend(cfg: Any, q: Array, k: Array, v: Array, mask: Array) -> Array:
   """softmax(q k^T / sqrt(D) [soft-capped], masked) v for `(B, T, N, D)` queries, `(B, S, K, D)`
   keys and values and a `(B, T, S)` mask in which every query sees at least one key."""
-  if cfg.logit_cap is None and q.dtype != jnp.float64:
+  if cfg.logit_cap is None and q.dtype != jnp.float64 and v.shape[-1] == q.shape[-1]:
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=cfg.scale)
-  # Soft-capping has no argument in jax.nn.dot_product_attention, and it takes the softmax in
-  # float32 whatever the inputs: here the logits are formed in the inputs' dtype.
+  # Soft-capping has no argument in jax.nn.dot_product_attention, which takes the softmax in
+  # float32 whatever the inputs and values as wide as the keys: here the logits are formed in
+  # the inputs' dtype.
   groups = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
   logits = jnp.einsum("btnd,bsnd->bnts", q, k)
@@ -310,6 +311,78 @@ def _visible(cfg: Any, own: _Keys, cache: _Keys | None, axis_name: Hashable | No
   return _join(*pieces, own), reach * length
 
 
+class Core(NamedTuple):
+  """What `attend` reads of an attention layer's configuration (an `Attention` has each)."""
+
+  window: int | None
+  cache_size: int
+  logit_cap: float | None
+  scale: float | None
+  rope_base: float
+
+
+def attend(cfg: Any, q: Array, k: Array, v: Array, reset: Array, state: AttentionState, *,
+           cached: bool, axis_name: Hashable | None, width: int) -> tuple[Array, AttentionState]:
+  """Causal attention with a cache, as every attention layer computes it.
+
+  Args:
+    cfg: the `Core` options (an `Attention`, or a `Core` another layer makes).
+    q: `(B, T, heads, D)` queries, before rotary positions.
+    k: `(B, T, kv, D)` keys, before rotary positions.
+    v: `(B, T, kv, Dv)` values.
+    reset: `(B, T)` bool: a document starts at the step.
+    state: the cache before the sequence, its batch axes flattened to B.
+    cached: whether `state` was given (else it holds nothing to read).
+    axis_name: the mesh axis over which time is split, or None.
+    width: the channels of each query and key head that rotate, from the first.
+
+  Returns:
+    `(outputs (B, T, heads, Dv), the cache after the last step)`.
+  """
+  rows, length = q.shape[:2]
+  size = capacity(cfg)
+  flagged = _non_finite(k) | _non_finite(v)
+  where = _locate(reset, flagged, axis_name)
+  step = where.offset + jnp.arange(length, dtype=jnp.int32)
+  positions = jnp.where(where.last_reset >= 0, step[None] - where.last_reset,
+                        state.position[:, None] + step[None])
+  q, k = rotary(q, positions, width, cfg.rope_base), rotary(k, positions, width, cfg.rope_base)
+
+  own = _Keys(k, v, step, where.document, jnp.ones((rows, length), bool))
+  # The cache's entries precede the sequence; without a given state there are none to read,
+  # but local attention across devices reads its (then invalid) entries in place of slices.
+  cache = _Keys(state.k, state.v, jnp.arange(-size, 0, dtype=jnp.int32),
+                jnp.zeros((rows, size), jnp.int32), state.valid)
+  if not cached and (axis_name is None or cfg.window is None):
+    cache = None
+  keys, before = _visible(cfg, own, cache, axis_name)
+  flagged_cache = jnp.max(jnp.where((_non_finite(state.k) | _non_finite(state.v)) & state.valid,
+                                    jnp.arange(-size, 0, dtype=jnp.int32)[None], _LOWEST), axis=1)
+  # The cache after the last step: the last `size` steps of the cache and the sequence, valid
+  # where in the last document; on the device holding the last slice, which sees them all.
+  last_doc = where.document[:, -1:]
+  kept = state.valid & (last_doc == 0)
+  tail = lambda a, b: jnp.concatenate([a, b], axis=1)[:, -size:]
+  final = AttentionState(tail(state.k, keys.k), tail(state.v, keys.v),
+                         tail(kept, keys.valid & (keys.document == last_doc)), positions[:, -1] + 1)
+  # A non-finite query, key or value is zeroed before the products, and the outputs that read
+  # it are set to NaN after: inside a product, a masked NaN would meet its zero weight as
+  # 0 * NaN and reach every query, values and gradients.
+  keys = keys._replace(k=_zeroed(keys.k), v=_zeroed(keys.v))
+  poisoned = _non_finite(q) | _reads(cfg, step, where, flagged, flagged_cache)
+  q = _zeroed(q)
+  out = _blockwise(cfg, q, where.offset, where.document, keys, before)
+  out = jnp.where(poisoned[..., None, None], jnp.nan, out)
+
+  if axis_name is not None:
+    index, devices = axis_position(axis_name)
+    holder = index == devices - 1
+    final = final._replace(valid=final.valid.astype(jnp.int32))
+    final = jax.tree.map(lambda s: from_device(s, holder, axis_name), final)
+    final = final._replace(valid=final.valid.astype(bool))
+  return out, final
+
+
 def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, mode: str | Mode, *,
              initial_state: AttentionState | None = None,
              axis_name: Hashable | None = None) -> tuple[Array, AttentionState]:
@@ -317,7 +390,6 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   del mode
   *batch, length, features = x.shape
   heads, kv, head_dim = _heads(cfg, features)
-  size = capacity(cfg)
   rows = math.prod(batch)
   state = functional.starting_state(initialize_state, cfg, x, initial_state)
   state = jax.tree.map(lambda s: s.reshape((rows, *s.shape[len(batch):])), state)
@@ -341,51 +413,13 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                                else norm(u.reshape(*u.shape[:-2], -1), scale,
                                          cfg.qk_norm_eps).reshape(u.shape))
     q, k = scoped(q, params["q_norm"]), scoped(k, params["k_norm"])
-  flagged = _non_finite(k) | _non_finite(v)
-  where = _locate(reset, flagged, axis_name)
-  step = where.offset + jnp.arange(length, dtype=jnp.int32)
-  positions = jnp.where(where.last_reset >= 0, step[None] - where.last_reset,
-                        state.position[:, None] + step[None])
-  width = _rotary_width(cfg, head_dim)
-  q, k = rotary(q, positions, width, cfg.rope_base), rotary(k, positions, width, cfg.rope_base)
-
-  own = _Keys(k, v, step, where.document, jnp.ones((rows, length), bool))
-  # The cache's entries precede the sequence; without a given state there are none to read,
-  # but local attention across devices reads its (then invalid) entries in place of slices.
-  cache = _Keys(state.k, state.v, jnp.arange(-size, 0, dtype=jnp.int32),
-                jnp.zeros((rows, size), jnp.int32), state.valid)
-  if initial_state is None and (axis_name is None or cfg.window is None):
-    cache = None
-  keys, before = _visible(cfg, own, cache, axis_name)
-  flagged_cache = jnp.max(jnp.where((_non_finite(state.k) | _non_finite(state.v)) & state.valid,
-                                    jnp.arange(-size, 0, dtype=jnp.int32)[None], _LOWEST), axis=1)
-  # The cache after the last step: the last `size` steps of the cache and the sequence, valid
-  # where in the last document; on the device holding the last slice, which sees them all.
-  last_doc = where.document[:, -1:]
-  kept = state.valid & (last_doc == 0)
-  tail = lambda a, b: jnp.concatenate([a, b], axis=1)[:, -size:]
-  final = AttentionState(tail(state.k, keys.k), tail(state.v, keys.v),
-                         tail(kept, keys.valid & (keys.document == last_doc)), positions[:, -1] + 1)
-  # A non-finite query, key or value is zeroed before the products, and the outputs that read
-  # it are set to NaN after: inside a product, a masked NaN would meet its zero weight as
-  # 0 * NaN and reach every query, values and gradients.
-  keys = keys._replace(k=_zeroed(keys.k), v=_zeroed(keys.v))
-  poisoned = _non_finite(q) | _reads(cfg, step, where, flagged, flagged_cache)
-  q = _zeroed(q)
-  out = _blockwise(cfg, q, where.offset, where.document, keys, before)
-  out = jnp.where(poisoned[..., None, None], jnp.nan, out)
+  out, final = attend(cfg, q, k, v, reset, state, cached=initial_state is not None,
+                      axis_name=axis_name, width=_rotary_width(cfg, head_dim))
   if cfg.output_gate:
     out = out * jax.nn.sigmoid(project("gate", heads))
   y = common.project(out.reshape(rows, length, heads * head_dim), params["o_proj"], dtype)
   if "o_bias" in params:
     y = y + common.leading_ones(params["o_bias"], y.ndim)
-
-  if axis_name is not None:
-    index, devices = axis_position(axis_name)
-    holder = index == devices - 1
-    final = final._replace(valid=final.valid.astype(jnp.int32))
-    final = jax.tree.map(lambda s: from_device(s, holder, axis_name), final)
-    final = final._replace(valid=final.valid.astype(bool))
   final = jax.tree.map(lambda s: s.reshape((*batch, *s.shape[1:])), final)
   return y.reshape(*batch, length, features).astype(x.dtype), final
 

@@ -47,7 +47,7 @@ def param_specs(cfg: Any, features: int) -> dict[str, ParamSpec]:
       "dt_bias": ParamSpec((v_heads * k,), dt_bias_init(1e-3, 1e-1)),
       "g_down": linear(features, v),
       "g_up": linear(v, v_heads * v),
-      "g_bias": ParamSpec((v_heads * v,), uniform(v**-0.5)),
+      **({"g_bias": ParamSpec((v_heads * v,), uniform(v**-0.5))} if cfg.gate_bias else {}),
       "norm_scale": ParamSpec((v,), nn.initializers.ones),
       "o_proj": linear(v_heads * v, features),
   }
@@ -83,7 +83,9 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                     mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
                     check_log_decay=False, axis_name=axis_name)
   gate = common.project(common.project(x, params["g_down"], dtype), params["g_up"], dtype)
-  gate = delta_heads.by_head(gate + common.leading_ones(params["g_bias"], gate.ndim), v_heads)
+  if "g_bias" in params:
+    gate = gate + common.leading_ones(params["g_bias"], gate.ndim)
+  gate = delta_heads.by_head(gate, v_heads)
   y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.sigmoid, dtype)
   return y.astype(x.dtype), ConvRecurrentState(window, s)
 
@@ -109,9 +111,9 @@ class KimiDeltaAttention(functional.LinenLayer):
 
   `ssmkit.scan.delta_rule` with a per-key `log_decay` (exact however strong the decay, in
   every mode). Each head's output is RMS-normalised, scaled, gated by
-  sigmoid(W_up' W_down' x_t + b) and the heads are projected back to H. `reset` clears the
-  matrix state and the convolution windows; the state is a `ConvRecurrentState` whose
-  `recurrent` part is `(*batch, value heads, K, V)`.
+  sigmoid(W_up' W_down' x_t + b) (b with `gate_bias`) and the heads are projected back to H.
+  `reset` clears the matrix state and the convolution windows; the state is a
+  `ConvRecurrentState` whose `recurrent` part is `(*batch, value heads, K, V)`.
 
   Attributes:
     num_heads: number of query and key heads.
@@ -123,6 +125,8 @@ class KimiDeltaAttention(functional.LinenLayer):
     lower_bound: None, or a bound < 0 of each log-decay (the reference's `safe_gate` runs
       with -5); A_log then starts at 0.
     norm_eps: the epsilon of the output's per-head RMSNorm.
+    gate_bias: a bias b in the output gate (flash-linear-attention's; Kimi Linear's
+      checkpoints have none).
     d_conv: width of the causal convolutions.
     chunk_size: steps per chunk of the chunkwise algorithm; default 32.
     param_dtype: dtype of the parameters.
@@ -139,6 +143,7 @@ class KimiDeltaAttention(functional.LinenLayer):
   allow_neg_eigval: bool = False
   lower_bound: float | None = None
   norm_eps: float = EPS
+  gate_bias: bool = True
   d_conv: int = 4
   chunk_size: int | None = None
   param_dtype: jnp.dtype = jnp.float32

@@ -16,6 +16,7 @@ from ssmkit._src.layers.common import ParamSpec
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
+from ssmkit._src.layers.latent_attention import LatentAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
@@ -34,7 +35,7 @@ BRANCHES: dict[str, type[functional.LinenLayer]] = {
     "lru": LRU, "s4d": S4D, "s5": S5, "mamba": Mamba, "mamba2": Mamba2, "mamba3": Mamba3,
     "gated_deltanet": GatedDeltaNet, "kimi_delta_attention": KimiDeltaAttention,
     "gated_delta_product": GatedDeltaProduct, "rglru": RGLRU, "mingru": MinGRU,
-    "attention": Attention, "short_conv": ShortConv}
+    "attention": Attention, "latent_attention": LatentAttention, "short_conv": ShortConv}
 
 
 def branches(cfg: Any) -> list[tuple[str, functional.LinenLayer, float, float]]:

@@ -19,6 +19,7 @@ from ssmkit._src.layers.functional import LinenLayer
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention
+from ssmkit._src.layers.latent_attention import LatentAttention
 from ssmkit._src.layers.lru import LRU
 from ssmkit._src.layers.mamba import Mamba
 from ssmkit._src.layers.mamba2 import Mamba2
@@ -73,6 +74,13 @@ LAYERS: dict[str, Entry] = {
          "qk_norm": "rms_plus_one", "output_gate": True},
         {"num_heads": 2, "head_dim": 4, "cache_size": 16, "qk_norm": True, "qk_norm_scope": "all",
          "logit_cap": 3.0, "use_bias": True},
+    )),
+    "latent_attention": Entry(LatentAttention, (
+        {"num_heads": 2, "qk_nope_head_dim": 3, "qk_rope_head_dim": 2, "v_head_dim": 3,
+         "kv_lora_rank": 4, "window": 5},
+        {"num_heads": 2, "qk_nope_head_dim": 2, "qk_rope_head_dim": 0, "v_head_dim": 4,
+         "kv_lora_rank": 3, "q_lora_rank": 3, "rope_base": None, "cache_size": 16,
+         "use_bias": True},
     )),
     "feed_forward": Entry(FeedForward, ({"kind": "swiglu", "width": 6},
                                         {"kind": "relu2", "width": 5})),

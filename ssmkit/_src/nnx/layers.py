@@ -23,6 +23,7 @@ from ssmkit._src.layers.feed_forward import FeedForward as _FeedForward
 from ssmkit._src.layers.gated_deltanet import GatedDeltaNet as _GatedDeltaNet
 from ssmkit._src.layers.gated_deltaproduct import GatedDeltaProduct as _GatedDeltaProduct
 from ssmkit._src.layers.kimi_delta_attention import KimiDeltaAttention as _KimiDeltaAttention
+from ssmkit._src.layers.latent_attention import LatentAttention as _LatentAttention
 from ssmkit._src.layers.lru import LRU as _LRU
 from ssmkit._src.layers.mamba import Mamba as _Mamba
 from ssmkit._src.layers.mamba2 import Mamba2 as _Mamba2
@@ -197,3 +198,4 @@ MinGRU = front_end(_MinGRU)
 FeedForward = front_end(_FeedForward)
 ShortConv = front_end(_ShortConv)
 Parallel = front_end(_Parallel)
+LatentAttention = front_end(_LatentAttention)

@@ -17,6 +17,7 @@ from ssmkit._src.pretrained import (
     falcon_mamba,
     granitemoehybrid,
     jamba,
+    kimi_linear,
     lfm2,
     mamba,
     mamba2,
@@ -33,7 +34,8 @@ from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_
 # The module of each architecture, in the order `save` prefers them where several express a
 # model (Granite's before Bamba's, whose models it extends).
 MODULES = (mamba, falcon_mamba, mamba2, recurrent_gemma, qwen3_5, qwen3_5_moe, qwen3_next,
-           granitemoehybrid, bamba, jamba, nemotron_h, lfm2, falcon_h1, olmo_hybrid)
+           granitemoehybrid, bamba, jamba, nemotron_h, lfm2, falcon_h1, olmo_hybrid,
+           kimi_linear)
 # Each architecture ssmkit loads, by its `architectures` name in config.json, and by the
 # `model_type` that `transformers` reads to choose it: its own, and those of the larger
 # checkpoints that hold it (`WRAPPERS`, e.g. an image-text model's language model).
@@ -98,8 +100,9 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     >>> import ssmkit.pretrained
     >>> sorted(ssmkit.pretrained.ARCHITECTURES)
     ['BambaForCausalLM', 'FalconH1ForCausalLM', 'FalconMambaForCausalLM',
-     'GraniteMoeHybridForCausalLM', 'JambaForCausalLM', 'Lfm2ForCausalLM', 'Mamba2ForCausalLM',
-     'MambaForCausalLM', 'NemotronHForCausalLM', 'OlmoHybridForCausalLM',
+     'GraniteMoeHybridForCausalLM', 'JambaForCausalLM', 'KimiLinearForCausalLM',
+     'Lfm2ForCausalLM', 'Mamba2ForCausalLM', 'MambaForCausalLM', 'NemotronHForCausalLM',
+     'OlmoHybridForCausalLM',
      'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM',
      'RecurrentGemmaForCausalLM']
   """
