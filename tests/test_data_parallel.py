@@ -133,10 +133,13 @@ def test_batch_norm_statistics_span_the_whole_batch():
     ("override", "message"),
     [
         ("mesh.data=0", r"`mesh.data` must be -1"),
-        ("mesh.data=16", r"`mesh.data` x `mesh.fsdp` x `mesh.seq`=16 asks for more devices than the 8"),
-        ("mesh.data=3", r"`data.batch_size`=16 must be a multiple of `mesh.data` x `mesh.fsdp`, 3 "),
+        ("mesh.data=16", r"`mesh.data` x `mesh.fsdp` x `mesh.expert` x `mesh.seq`=16 asks for more "
+                         r"devices than the 8"),
+        ("mesh.data=3", r"`data.batch_size`=16 must be a multiple of `mesh.data` x `mesh.fsdp` x "
+                        r"`mesh.expert`, 3 "),
         ("mesh.fsdp=0", r"`mesh.fsdp` must be a device count >= 1, got 0"),
-        ("mesh.fsdp=3", r"`mesh.fsdp` x `mesh.seq`=3 must divide the 8 devices this run has"),
+        ("mesh.fsdp=3", r"`mesh.fsdp` x `mesh.expert` x `mesh.seq`=3 must divide the 8 devices"),
+        ("mesh.expert=0", r"`mesh.expert` must be a device count >= 1, got 0"),
     ],
 )
 def test_bad_mesh_is_a_config_error(override, message, tmp_path):
@@ -147,8 +150,8 @@ def test_bad_mesh_is_a_config_error(override, message, tmp_path):
 def test_ppo_environments_must_split_evenly(tmp_path, capsys):
   overrides = ["env.num_envs=12", "ppo.minibatches=2", "mesh.data=8", "train.updates=1"]
   assert cli.main(["train", "ppo_memory_lru", "--workdir", str(tmp_path), *overrides]) == 2
-  assert "`env.num_envs`=12 must be a multiple of `mesh.data` x `mesh.fsdp`, 8 devices" in \
-      capsys.readouterr().err
+  assert ("`env.num_envs`=12 must be a multiple of `mesh.data` x `mesh.fsdp` x `mesh.expert`, "
+          "8 devices") in capsys.readouterr().err
 
 
 def _free_port():
@@ -211,23 +214,26 @@ def test_a_bad_split_over_time_is_named_before_training(overrides, match):
 
 
 @pytest.mark.usefixtures("not_cached")
-def test_a_language_model_over_data_fsdp_and_time_trains_as_one_device(tmp_path):
-  """`lm_hybrid` (a Gated DeltaNet block and a global-attention block, under `nn.scan`) on
-  data=2 x fsdp=2 x seq=2 devices: each sequence of 16 bytes split into two slices of 8, with
-  documents crossing them, and each device holding about half the parameters and optimizer
-  state. The loss at every step, the test loss and the final parameters are one device's."""
+def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_path):
+  """`lm_hybrid` (a Gated DeltaNet block and a global-attention block, under `nn.scan`, each
+  with a mixture of 4 experts) on fsdp=2 x expert=2 x seq=2 devices: each sequence of 16 bytes
+  split into two slices of 8, with documents crossing them, each device holding half the
+  parameters and optimizer state and a quarter of the experts'. The loss at every step, the
+  test loss and the final parameters are one device's."""
   overrides = [f"data.path={_corpus(tmp_path / 'corpus')}", "data.seq_len=16", "data.batch_size=4",
                "data.validation_fraction=0.3", "model.features=16",
                "model.layer=[gated_deltanet,attention]", "model.num_blocks=2",
-               "model.scan_blocks=true", "optimizer.warmup_steps=0", "train.steps=4",
-               "train.log_every=1", "train.eval_every=0"]
+               "model.scan_blocks=true", "model.mlp=experts",
+               "model.experts={num_experts: 4, top_k: 2, width: 8, shared_width: 4}",
+               "optimizer.warmup_steps=0", "train.steps=4", "train.log_every=1",
+               "train.eval_every=0"]
   config = lambda *mesh: train.load_config("lm_hybrid", [*overrides, *mesh])
-  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.seq=2"]
+  mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.seq=2"]
   with jax.enable_x64(False):
     for name, devices in (("one", ["mesh.data=1"]), ("split", mesh)):
       train.lm.train_and_evaluate(config(*devices), tmp_path / name)
     run = train.supervised.setup(config(*mesh), lm_train.TASK)
-  assert dict(run.mesh.shape) == {"data": 2, "fsdp": 2, "seq": 2}
+  assert dict(run.mesh.shape) == {"data": 1, "fsdp": 2, "expert": 2, "seq": 2}
   # The model ran split over time: its convolution windows crossed devices.
   tokens = np.zeros((4, 16), np.int32)
   program = str(jax.make_jaxpr(lambda p: run.state.apply_fn({"params": p}, tokens))(run.state.params))
@@ -246,8 +252,33 @@ def test_a_language_model_over_data_fsdp_and_time_trains_as_one_device(tmp_path)
     np.testing.assert_allclose(a, b, rtol=0, atol=0.1 * step_size * 4)
   summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "split")]
   np.testing.assert_allclose(summaries[1]["test_loss"], summaries[0]["test_loss"], rtol=2e-5)
+  first = run.mesh.devices.flat[0]
+  held = lambda leaf: sum(shard.data.nbytes for shard in leaf.addressable_shards
+                          if shard.device == first)
+  experts = run.state.params["blocks"]["block_0"]["mlp_experts"]
+  for name in ("gate", "up", "down"):  # (blocks, experts, ...): experts over "expert"
+    assert experts[name].sharding.spec[1] == "expert"
+    assert held(experts[name]) == experts[name].nbytes // 4
   leaves = jax.tree.leaves((run.state.params, run.state.opt_state))
   total = sum(leaf.nbytes for leaf in leaves)
-  on_first = sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards
-                 if shard.device == run.mesh.devices.flat[0])
-  assert 0.5 * total <= on_first < 0.55 * total
+  assert 0.25 * total < sum(map(held, leaves)) < 0.55 * total
+
+
+def test_experts_are_split_over_the_expert_axis_and_must_divide_it():
+  """Per-expert matrices beside a `router` (and their optimizer state, of the same structure)
+  are cut over "expert" along the experts' axis, stacked under `nn.scan` or not; a matrix of
+  another name, or of a scope without a router, is not."""
+  mesh = parallel.make_mesh(parallel.MeshConfig(data=1, fsdp=2, expert=2), 4, "batch")
+  shape = lambda *dims: jax.ShapeDtypeStruct(dims, np.float32)
+  tree = {"block": {"mlp_experts": {"router": shape(6, 4), "gate": shape(4, 6, 10),
+                                    "down": shape(4, 10, 6)},
+                    "stacked": {"router": shape(3, 6, 4), "up": shape(3, 4, 6, 10)},
+                    "mixer": {"gate": shape(4, 6, 10)}}}
+  specs = jax.tree.map(lambda s: tuple(s.spec), parallel.state_shardings(mesh, tree))
+  assert specs["block"]["mlp_experts"]["gate"] == ("expert", None, "fsdp")
+  assert specs["block"]["mlp_experts"]["down"] == ("expert", "fsdp", None)
+  assert specs["block"]["stacked"]["up"] == (None, "expert", None, "fsdp")
+  assert "expert" not in specs["block"]["mixer"]["gate"]
+  odd = {"mlp_experts": {"router": shape(6, 3), "gate": shape(3, 6, 10)}}
+  with pytest.raises(train.ConfigError, match=r"`mesh.expert`=2 must divide the 3 experts"):
+    parallel.state_shardings(mesh, odd)

@@ -1,10 +1,12 @@
 """Training on many devices and processes: the mesh, joining a multi-process run, placing arrays.
 
-A run's mesh has three axes. Every batch is split over the devices of "data" and "fsdp"
-together; the parameters and the optimizer state are replicated over "data" and sharded over
-"fsdp" (fully sharded data parallelism: each weight is cut along one of its axes, and
-`jax.jit`'s partitioner gathers it where a block uses it, inside the scan over blocks one
-block at a time, and reduces its gradient onto the shards). Every sequence is split over
+A run's mesh has four axes. Every batch is split over the devices of "data", "fsdp" and
+"expert" together; the parameters and the optimizer state are replicated over "data" and
+sharded over "fsdp" (fully sharded data parallelism: each weight is cut along one of its axes,
+and `jax.jit`'s partitioner gathers it where a block uses it, inside the scan over blocks one
+block at a time, and reduces its gradient onto the shards). The experts of every mixture are
+split over "expert" (expert parallelism: each device holds its share of the experts and their
+optimizer state; the other parameters are replicated over that axis). Every sequence is split over
 "seq" (sequence parallelism): the model runs inside `jax.shard_map` over that axis with
 `axis_name="seq"`, so each device holds the activations of a slice of time.
 `jax.jit` then runs the step over the whole batch, its gradient means and BatchNorm statistics
@@ -27,7 +29,11 @@ from ssmkit._src.train.core.errors import ConfigError
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+EXPERT_AXIS = "expert"
 SEQ_AXIS = "seq"
+# The parameters of a mixture of experts that hold one matrix per expert (the experts' axis the
+# third from the end), beside its `router`.
+_PER_EXPERT = ("gate", "up", "down")
 # Environment variables that `initialize_distributed` reads when its argument is None.
 COORDINATOR_ADDRESS_ENV = "SSMKIT_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "SSMKIT_NUM_PROCESSES"
@@ -36,21 +42,25 @@ PROCESS_ID_ENV = "SSMKIT_PROCESS_ID"
 
 @dataclasses.dataclass
 class MeshConfig:
-  """The devices a run uses: a `jax.sharding.Mesh` of axes "data" and "fsdp" that split every
-  batch, and "seq" that splits every sequence.
+  """The devices a run uses: a `jax.sharding.Mesh` of axes "data", "fsdp" and "expert" that
+  split every batch, and "seq" that splits every sequence.
 
-  Parameters and optimizer state are replicated over "data" and "seq" and sharded over "fsdp".
-  A run may resume on another mesh.
+  Parameters and optimizer state are replicated over "data" and "seq" and sharded over "fsdp";
+  the experts of every mixture are split over "expert". A run may resume on another mesh.
   """
 
   # Devices on the "data" axis, which replicates the parameters; -1: every device of every
-  # process over `fsdp` x `seq`. The mesh is the first data x fsdp x seq devices of
-  # `jax.devices()`, and data x fsdp must divide the batch size; a multi-process run uses every
-  # device.
+  # process over `fsdp` x `expert` x `seq`. The mesh is the first data x fsdp x expert x seq
+  # devices of `jax.devices()`, and data x fsdp x expert must divide the batch size; a
+  # multi-process run uses every device.
   data: int = -1
   # Devices on the "fsdp" axis, over which each parameter and its optimizer state are cut
   # along their largest axis that it divides (left whole where none does).
   fsdp: int = 1
+  # Devices on the "expert" axis, over which the experts of every mixture of experts are split
+  # (each device holds num_experts / expert of them, which it must divide); it splits the batch
+  # too, and replicates the other parameters.
+  expert: int = 1
   # Devices on the "seq" axis, over which the time axis of every sequence is split: each holds
   # the activations of 1 / seq of the steps (docs/sequence_parallel.md). It must divide the
   # sequence length; BatchNorm's batch statistics cannot be split.
@@ -100,37 +110,38 @@ def make_mesh(config: MeshConfig, batch_size: int, batch_key: str) -> Mesh:
     batch_key: the config key of `batch_size`, for error messages.
 
   Raises:
-    ConfigError: if `mesh.fsdp` or `mesh.seq` is below 1, `mesh.data` is neither -1 nor a
-      positive count, data x fsdp x seq is more devices than this run has, is not every device
-      of a multi-process run, or data x fsdp does not divide `batch_size`.
+    ConfigError: if `mesh.fsdp`, `mesh.expert` or `mesh.seq` is below 1, `mesh.data` is
+      neither -1 nor a positive count, data x fsdp x expert x seq is more devices than this
+      run has, is not every device of a multi-process run, or data x fsdp x expert does not
+      divide `batch_size`.
   """
   devices = jax.devices()
-  for name in ("fsdp", "seq"):
+  for name in ("fsdp", "expert", "seq"):
     if getattr(config, name) < 1:
       raise ConfigError(f"`mesh.{name}` must be a device count >= 1, got {getattr(config, name)}.")
   if config.data == 0 or config.data < -1:
     raise ConfigError(f"`mesh.data` must be -1 (every device) or a device count, got {config.data}.")
-  others = config.fsdp * config.seq
+  others = config.fsdp * config.expert * config.seq
   if config.data == -1 and len(devices) % others:
-    raise ConfigError(f"`mesh.fsdp` x `mesh.seq`={others} must divide the {len(devices)} devices "
-                      "this run has when `mesh.data` is -1.")
+    raise ConfigError(f"`mesh.fsdp` x `mesh.expert` x `mesh.seq`={others} must divide the "
+                      f"{len(devices)} devices this run has when `mesh.data` is -1.")
   data = len(devices) // others if config.data == -1 else config.data
   size = data * others
+  axes = "`mesh.data` x `mesh.fsdp` x `mesh.expert` x `mesh.seq`"
   if size > len(devices):
-    raise ConfigError(
-        f"`mesh.data` x `mesh.fsdp` x `mesh.seq`={size} asks for more devices than the "
-        f"{len(devices)} this run has ({devices[0].platform})."
-    )
+    raise ConfigError(f"{axes}={size} asks for more devices than the {len(devices)} this run has "
+                      f"({devices[0].platform}).")
   if jax.process_count() > 1 and size != len(devices):
-    raise ConfigError(
-        f"`mesh.data` x `mesh.fsdp` x `mesh.seq` must be {len(devices)} in a run of "
-        f"{jax.process_count()} processes, which uses every device; got {size}."
-    )
-  if batch_size % (data * config.fsdp):
+    raise ConfigError(f"{axes} must be {len(devices)} in a run of {jax.process_count()} "
+                      f"processes, which uses every device; got {size}.")
+  splitting = data * config.fsdp * config.expert
+  if batch_size % splitting:
     raise ConfigError(f"`{batch_key}`={batch_size} must be a multiple of `mesh.data` x "
-                      f"`mesh.fsdp`, {data * config.fsdp} devices.")
-  return Mesh(np.array(devices[:size]).reshape(data, config.fsdp, config.seq),
-              (DATA_AXIS, FSDP_AXIS, SEQ_AXIS))
+                      f"`mesh.fsdp` x `mesh.expert`, {splitting} devices.")
+  # "expert" before "fsdp": in the other order, with "seq" split too, XLA 0.10's partitioner
+  # aborts on a failed check (spmd_partitioner_util.cc: replica groups).
+  return Mesh(np.array(devices[:size]).reshape(data, config.expert, config.fsdp, config.seq),
+              (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, SEQ_AXIS))
 
 
 def describe(mesh: Mesh) -> str:
@@ -146,8 +157,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def split(mesh: Mesh) -> NamedSharding:
-  """The sharding of batches: the leading axis split over the devices of "data" and "fsdp"."""
-  return NamedSharding(mesh, PartitionSpec((DATA_AXIS, FSDP_AXIS)))
+  """The sharding of batches: the leading axis split over the devices of "data", "expert" and
+  "fsdp"."""
+  return NamedSharding(mesh, PartitionSpec((DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)))
 
 
 def over_time(apply_fn: Any, mesh: Mesh, per_step: bool) -> Any:
@@ -180,11 +192,15 @@ def over_time(apply_fn: Any, mesh: Mesh, per_step: bool) -> Any:
 
 
 def state_shardings(mesh: Mesh, tree: Any) -> Any:
-  """The sharding of each leaf of parameters or optimizer state: fully sharded over "fsdp".
+  """The sharding of each leaf of parameters or optimizer state: fully sharded over "fsdp",
+  the experts of every mixture split over "expert".
 
-  A leaf is cut over the "fsdp" axis along its largest axis that the axis's size divides (the
-  last of equals), and replicated over "data"; a leaf with no such axis (a scalar, a bias of
-  odd width) is whole on every device.
+  The per-expert matrices of a mixture of experts (its `gate`, `up` and `down` beside its
+  `router`, of any model, stacked under `nn.scan` or not, and their optimizer state) are cut
+  over the "expert" axis along their experts' axis. Any leaf is cut over the "fsdp" axis along
+  its largest other axis that the axis's size divides (the last of equals); a leaf with no such
+  axis (a scalar, a bias of odd width) is whole on every device of that axis. Every leaf is
+  replicated over "data" and "seq".
 
   Args:
     mesh: a mesh of `make_mesh`.
@@ -192,19 +208,35 @@ def state_shardings(mesh: Mesh, tree: Any) -> Any:
 
   Returns:
     A pytree of `NamedSharding`s of the structure of `tree`.
+
+  Raises:
+    ConfigError: naming `mesh.expert` when it does not divide a mixture's experts.
   """
-  size = mesh.shape[FSDP_AXIS]
+  size, experts = mesh.shape[FSDP_AXIS], mesh.shape.get(EXPERT_AXIS, 1)
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  mixtures = {path[:-1] for path in paths if _key(path[-1]) == "router"}
 
-  def sharding(leaf: Any) -> NamedSharding:
+  def sharding(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
     shape = np.shape(leaf)
-    axes = [axis for axis, n in enumerate(shape) if size > 1 and n % size == 0]
-    if not axes:
-      return replicated(mesh)
-    axis = max(axes, key=lambda a: (shape[a], a))
-    return NamedSharding(mesh, PartitionSpec(*[FSDP_AXIS if a == axis else None
-                                               for a in range(len(shape))]))
+    spec: list[str | None] = [None] * len(shape)
+    if experts > 1 and path[:-1] in mixtures and _key(path[-1]) in _PER_EXPERT:
+      axis = len(shape) - 3
+      if shape[axis] % experts:
+        raise ConfigError(f"`mesh.expert`={experts} must divide the {shape[axis]} experts of "
+                          f"every mixture of experts.")
+      spec[axis] = EXPERT_AXIS
+    axes = [axis for axis, n in enumerate(shape)
+            if size > 1 and n % size == 0 and spec[axis] is None]
+    if axes:
+      spec[max(axes, key=lambda a: (shape[a], a))] = FSDP_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
-  return jax.tree.map(sharding, tree)
+  return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def _key(entry: Any) -> Any:
+  """The name of a path entry: a dict key or an attribute name (NNX state, optax states)."""
+  return getattr(entry, "key", getattr(entry, "name", entry))
 
 
 def place(tree: Any, sharding: NamedSharding | Any) -> Any:
