@@ -174,7 +174,7 @@ def mixer_fields(model: Any, architecture: str) -> dict[str, Any]:
   fields: dict[str, Any] = {"rms_norm_eps": eps}
   mambas = [layer for layer in made if isinstance(layer, Mamba2)]
   attentions = [layer for layer in made if isinstance(layer, Attention)]
-  expect = functools.partial(_expect, architecture)
+  expect = functools.partial(parts.expect, architecture)
   if mambas:
     layer = mambas[0]
     mamba2.check_plain(layer, architecture)
@@ -226,7 +226,3 @@ def _attention_settings(layer: Attention) -> tuple[Any, ...]:
           layer.rope_fraction, layer.window, layer.qk_norm, layer.output_gate, layer.logit_cap,
           layer.scale, layer.use_bias, layer.out_bias)
 
-
-def _expect(architecture: str, holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {architecture} needs {option} to be {what}.")

@@ -100,19 +100,17 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   del fields
   features = model.features
-  norm = parts.norm_reader(tensors, features)
-  tree = parts.embedding_and_final_norm(tensors, model, "model.final_layernorm.weight")
-  for i in range(model.num_blocks // 2):
-    prefix = f"model.layers.{i}"
-    mixer, feed = (model.layer[j]() for j in (2 * i, 2 * i + 1))
-    tree[f"block_{2 * i}"] = {
-        "norm": norm(f"{prefix}.input_layernorm.weight"),
-        "mixer": (mamba.mixer_params(tensors, f"{prefix}.mamba", mixer, features)
-                  if isinstance(mixer, Mamba)
-                  else parts.attention_params(tensors, f"{prefix}.self_attn", mixer, features))}
-    tree[f"block_{2 * i + 1}"] = {
-        "norm": norm(f"{prefix}.pre_ff_layernorm.weight"),
-        "mixer": _feed_forward_params(tensors, f"{prefix}.feed_forward", feed, features)}
+
+  def read(prefix: str, which: int, layer: Any) -> tuple[str, dict[str, Any]]:
+    if which:
+      return (f"{prefix}.pre_ff_layernorm.weight",
+              _feed_forward_params(tensors, f"{prefix}.feed_forward", layer, features))
+    return (f"{prefix}.input_layernorm.weight",
+            mamba.mixer_params(tensors, f"{prefix}.mamba", layer, features)
+            if isinstance(layer, Mamba)
+            else parts.attention_params(tensors, f"{prefix}.self_attn", layer, features))
+
+  tree = parts.paired_blocks(tensors, model, "model.final_layernorm.weight", read)
   return {**tree, **head(tensors, model)}
 
 
@@ -120,10 +118,7 @@ def _feed_forward_params(tensors: Tensors, where: str, layer: FeedForward, featu
                          ) -> dict[str, Any]:
   take = lambda name, shape: tensors.take(f"{where}.{name}.weight", shape).T
   if layer.kind != "experts":
-    width = layer.width
-    return {"gate_proj": take("gate_proj", (width, features)),
-            "up_proj": take("up_proj", (width, features)),
-            "down_proj": take("down_proj", (features, width))}
+    return parts.swiglu_feed_forward_params(take, layer.width, features)
   config = layer.experts
   stack = lambda name, shape: np.stack([take(f"experts.{e}.{name}", shape)
                                         for e in range(config.num_experts)])
@@ -218,7 +213,7 @@ def _periodic(name: str, marked: list[bool]) -> dict[str, int]:
 
 def _feed_forward_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   if "router" not in mixer:
-    return {f"{name}.weight": mixer[name].T for name in ("gate_proj", "up_proj", "down_proj")}
+    return parts.swiglu_feed_forward_tensors(mixer)
   tensors = {"router.weight": mixer["router"].T}
   for name in ("gate", "up", "down"):
     for e, weight in enumerate(mixer[name]):
@@ -226,6 +221,4 @@ def _feed_forward_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+_expect = functools.partial(parts.expect, ARCHITECTURE)

@@ -157,17 +157,16 @@ def params(tensors: Tensors, fields: Fields, model: Any) -> dict[str, Any]:
   """ssmkit's parameters of `model` (from `options`) from the checkpoint's tensors."""
   del fields
   features = model.features
-  norm = parts.norm_reader(tensors, features)
-  tree = parts.embedding_and_final_norm(tensors, model, "model.norm.weight")
-  for i in range(model.num_blocks // 2):
-    prefix = f"model.layers.{i}"
-    mixer, feed = (model.layer[j]() for j in (2 * i, 2 * i + 1))
-    read = _deltanet_params if isinstance(mixer, KimiDeltaAttention) else _latent_params
-    tree[f"block_{2 * i}"] = {"norm": norm(f"{prefix}.input_layernorm.weight"),
-                              "mixer": read(tensors, f"{prefix}.self_attn", mixer, features)}
-    tree[f"block_{2 * i + 1}"] = {
-        "norm": norm(f"{prefix}.post_attention_layernorm.weight"),
-        "mixer": _feed_forward_params(tensors, f"{prefix}.block_sparse_moe", feed, features)}
+
+  def read(prefix: str, which: int, layer: Any) -> tuple[str, dict[str, Any]]:
+    if which:
+      return (f"{prefix}.post_attention_layernorm.weight",
+              _feed_forward_params(tensors, f"{prefix}.block_sparse_moe", layer, features))
+    mixer = _deltanet_params if isinstance(layer, KimiDeltaAttention) else _latent_params
+    return f"{prefix}.input_layernorm.weight", mixer(tensors, f"{prefix}.self_attn", layer,
+                                                     features)
+
+  tree = parts.paired_blocks(tensors, model, "model.norm.weight", read)
   return {**tree, **head(tensors, model)}
 
 
@@ -217,10 +216,7 @@ def _feed_forward_params(tensors: Tensors, where: str, layer: FeedForward, featu
                          ) -> dict[str, Any]:
   take = lambda name, shape: tensors.take(f"{where}.{name}.weight", shape).T
   if layer.kind != "experts":
-    width = layer.width
-    return {"gate_proj": take("gate_proj", (width, features)),
-            "up_proj": take("up_proj", (width, features)),
-            "down_proj": take("down_proj", (features, width))}
+    return parts.swiglu_feed_forward_params(take, layer.width, features)
   config = layer.experts
   width, shared = config.width, config.shared_width
   stack = lambda name, shape: np.stack([take(f"experts.{e}.{name}", shape)
@@ -331,7 +327,7 @@ def _latent_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def _feed_forward_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   if "router" not in mixer:
-    return {f"{name}.weight": mixer[name].T for name in ("gate_proj", "up_proj", "down_proj")}
+    return parts.swiglu_feed_forward_tensors(mixer)
   tensors = {"gate.weight": mixer["router"].T,
              "gate.e_score_correction_bias": mixer["score_bias"]}
   for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
@@ -355,6 +351,4 @@ def _latent_settings(layer: LatentAttention) -> tuple[Any, ...]:
           layer.logit_cap, layer.scale, layer.norm_eps)
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+_expect = functools.partial(parts.expect, ARCHITECTURE)

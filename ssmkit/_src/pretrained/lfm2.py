@@ -177,6 +177,4 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
   return fields, tensors
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+_expect = functools.partial(parts.expect, ARCHITECTURE)

@@ -274,6 +274,4 @@ def _experts_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
+_expect = functools.partial(parts.expect, ARCHITECTURE)

@@ -256,6 +256,4 @@ def _attention_settings(layer: Attention) -> tuple[Any, ...]:
           layer.out_bias)
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: an {ARCHITECTURE} needs {option} to be {what}.")
+_expect = functools.partial(parts.expect, ARCHITECTURE)

@@ -5,12 +5,13 @@ block's SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ssmkit._src.layers.attention import Attention
-from ssmkit._src.pretrained.files import Tensors
+from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
 
 def attention_params(tensors: Tensors, where: str, layer: Attention, features: int,
@@ -84,6 +85,43 @@ def embedding_norm_and_head_tensors(model: Any, params: dict[str, Any], final_no
   if not model.tie_embeddings:
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
   return tensors
+
+
+def paired_blocks(tensors: Tensors, model: Any, final_norm: str,
+                  read: Callable[[str, int, Any], tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+  """The embedding, final norm and blocks of a model whose every layer is two blocks, a mixer
+  block then a `FeedForward` block (Jamba's, Kimi Linear's): `read(prefix, which, layer)` gives
+  `(its norm's name, its mixer's parameters)` of the layer's first (`which` 0) or second
+  block, `prefix` "model.layers.{i}"."""
+  norm = norm_reader(tensors, model.features)
+  tree = embedding_and_final_norm(tensors, model, final_norm)
+  for i in range(model.num_blocks // 2):
+    for which in (0, 1):
+      name, mixer = read(f"model.layers.{i}", which, model.layer[2 * i + which]())
+      tree[f"block_{2 * i + which}"] = {"norm": norm(name), "mixer": mixer}
+  return tree
+
+
+def swiglu_feed_forward_params(take: Callable[[str, tuple[int, ...]], np.ndarray], width: int,
+                               features: int) -> dict[str, np.ndarray]:
+  """`FeedForward(kind="swiglu")`'s parameters from `take(name, shape)` of `gate_proj`,
+  `up_proj` and `down_proj` (transposed, as stored)."""
+  return {"gate_proj": take("gate_proj", (width, features)),
+          "up_proj": take("up_proj", (width, features)),
+          "down_proj": take("down_proj", (features, width))}
+
+
+def swiglu_feed_forward_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The tensors of `swiglu_feed_forward_params`."""
+  return {f"{name}.weight": mixer[name].T for name in ("gate_proj", "up_proj", "down_proj")}
+
+
+def expect(architecture: str, holds: bool, option: str, what: str) -> None:
+  """Raises a `CheckpointError` that `architecture` needs the model's `option` to be `what`,
+  unless `holds`."""
+  if not holds:
+    article = "an" if architecture[0] in "AEIOU" else "a"
+    raise CheckpointError(f"`model`: {article} {architecture} needs {option} to be {what}.")
 
 
 def embedding_multiplier(model: Any) -> float:

@@ -287,10 +287,6 @@ def _settings(layer: Any) -> tuple[Any, ...]:
           layer.logit_cap, layer.use_bias, layer.out_bias)
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
-
 
 def deltanet_tensors(mixer: dict[str, Any], layer: GatedDeltaNet) -> dict[str, np.ndarray]:
   """Qwen3.5's Gated DeltaNet tensors from ssmkit's parameters (of `layer`)."""
@@ -326,3 +322,6 @@ def attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
                     "k_proj.bias": mixer["k_bias"], "v_proj.bias": mixer["v_bias"],
                     "o_proj.bias": mixer["o_bias"]})
   return tensors
+
+
+_expect = functools.partial(parts.expect, ARCHITECTURE)

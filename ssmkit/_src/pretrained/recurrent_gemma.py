@@ -204,10 +204,6 @@ def _settings(layer: Any) -> tuple[Any, ...]:
           layer.use_bias, layer.out_bias)
 
 
-def _expect(holds: bool, option: str, what: str) -> None:
-  if not holds:
-    raise CheckpointError(f"`model`: a {ARCHITECTURE} needs {option} to be {what}.")
-
 
 def _rglru_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   return {
@@ -230,3 +226,6 @@ def _attention_tensors(mixer: dict[str, Any]) -> dict[str, np.ndarray]:
   return {"q_proj.weight": mixer["q_proj"].T, "k_proj.weight": mixer["k_proj"].T,
           "v_proj.weight": mixer["v_proj"].T, "o_proj.weight": mixer["o_proj"].T,
           "o_proj.bias": mixer["o_bias"]}
+
+
+_expect = functools.partial(parts.expect, ARCHITECTURE)
