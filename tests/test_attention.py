@@ -140,6 +140,11 @@ def test_long_sequences_attend_block_by_block(monkeypatch):
     params = compiled.init(layer, x.shape, 6)
     y = jax.jit(functools.partial(layer.apply, reset=reset))(params, x)
     _assert_close(y, _reference(layer, params, np.asarray(x, np.float64), reset))
+  # Latent attention's values are narrower than its queries and keys.
+  layer = layers.LatentAttention(**LATENT["nope-lora-bias-scaled"])
+  params = compiled.init(layer, x.shape, 6)
+  y = jax.jit(functools.partial(layer.apply, reset=reset))(params, x)
+  _assert_close(y, _latent_reference(layer, params, np.asarray(x, np.float64), reset))
 
 
 def test_decoding_past_the_window_and_from_a_prefill_equals_one_pass():

@@ -16,7 +16,8 @@ device.
 Families: a model of about 1B parameters of each family `ssmkit.pretrained` loads (its
 config.json fields in `FAMILIES`, built as `load` builds it, blocks under `nn.scan`) is
 compiled the same way, fully sharded over every device, as a fine-tuning run from such a
-checkpoint trains it.
+checkpoint trains it; the families with experts once more with them split over an "expert"
+axis of `EXPERT_SPLIT` devices.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ _SMALL_FAMILIES = {"Qwen3-Next": {"hidden_size": 32, "head_dim": 16, "linear_key
                                   "n_routed_experts": 4, "num_experts_per_tok": 2,
                                   "moe_intermediate_size": 8,
                                   "moe_shared_expert_intermediate_size": 8}}
+# The "expert" axis of the family rows whose mixtures are split over it (of 8 devices).
+EXPERT_SPLIT = 4
 _HOW_TO_GET_DEVICES = "XLA_FLAGS=--xla_force_host_platform_device_count=8 ssmkit bench training"
 _MIB = 2**20
 
@@ -182,12 +185,18 @@ def _family_model(name: str, shapes: str) -> Any:
   return layers.SequenceModel(**options, scan_blocks=True)
 
 
-def _memory_row(config: Any, devices: list[jax.Device], fsdp: int, model: Any = None
-                ) -> tuple[str, ...]:
-  """Compiles the train step of `config` (of `model` if given) on a data x fsdp mesh of
-  `devices`, without running it."""
-  mesh = parallel.make_mesh(parallel.MeshConfig(data=len(devices) // fsdp, fsdp=fsdp),
-                            len(devices), "rows")
+def _has_experts(model: Any) -> bool:
+  """Whether `model` has a mixture of experts: its blocks' MLP, or a `FeedForward` layer's."""
+  return model.mlp == "experts" or any(getattr(make, "keywords", {}).get("kind") == "experts"
+                                       for make in layer_pattern(model.layer))
+
+
+def _memory_row(config: Any, devices: list[jax.Device], fsdp: int, model: Any = None,
+                expert: int = 1) -> tuple[str, ...]:
+  """Compiles the train step of `config` (of `model` if given) on a data x expert x fsdp mesh
+  of `devices`, without running it."""
+  mesh = parallel.make_mesh(parallel.MeshConfig(data=len(devices) // (fsdp * expert), fsdp=fsdp,
+                                                expert=expert), len(devices), "rows")
   abstract = jax.eval_shape(lambda: _setup(config, model))
   state, batch = abstract
   shardings = parallel.state_shardings(mesh, state)
@@ -202,7 +211,8 @@ def _memory_row(config: Any, devices: list[jax.Device], fsdp: int, model: Any = 
   held = _held_bytes((state.params, state.opt_state), (shardings.params, shardings.opt_state))
   xla = lambda field: "-" if analysis is None else _timing.significant(
       getattr(analysis, field) / _MIB)
-  return (f"data={len(devices) // fsdp} fsdp={fsdp}", _timing.significant(held / _MIB),
+  split = f"data={len(devices) // (fsdp * expert)}" + (f" expert={expert}" if expert > 1 else "")
+  return (f"{split} fsdp={fsdp}", _timing.significant(held / _MIB),
           xla("argument_size_in_bytes"), xla("temp_size_in_bytes"))
 
 
@@ -261,12 +271,21 @@ def run(*, shapes: str, repeats: int, markdown: bool, configs: list[str] | None 
   print()
   print(f"Memory per device of a train step of a model of each family ssmkit.pretrained loads "
         f"(about 1B parameters; blocks under nn.scan), one row of {config.data.seq_len} tokens "
-        f"per device, fully sharded over {len(devices)} device(s) (fsdp={len(devices)}).")
+        f"per device, fully sharded over {len(devices)} device(s) (fsdp={len(devices)}); in the "
+        f"rows \"(expert={EXPERT_SPLIT})\" the experts are split over {EXPERT_SPLIT} of them "
+        f"(mesh.expert) and fsdp over the rest.")
   print()
+  models = {name: _family_model(name, shapes) for name in families}
+  rows = [(name, name, 1) for name in families]
+  if shapes == "full" and len(devices) % EXPERT_SPLIT == 0:  # and experts split over "expert"
+    rows += [(f"{name} (expert={EXPERT_SPLIT})", name, EXPERT_SPLIT) for name in families
+             if _has_experts(models[name])]
   table = _timing.StreamedTable(("family", "params", "params+Adam MiB", "XLA args MiB",
-                                 "XLA temp MiB"), [families], markdown=markdown)
-  for name in _timing.within_budget(families, "training"):
-    model = _family_model(name, shapes)
+                                 "XLA temp MiB"), [[label for label, _, _ in rows]],
+                                markdown=markdown)
+  for label, name, expert in _timing.within_budget(rows, "training"):
+    model = models[name]
     params = _count(jax.eval_shape(lambda model=model: _setup(config, model))[0].params)
-    table.add([(name, f"{params:,}", *_memory_row(config, devices, len(devices), model)[1:])])
+    row = _memory_row(config, devices, len(devices) // expert, model, expert)
+    table.add([(label, f"{params:,}", *row[1:])])
   return 0

@@ -209,7 +209,7 @@ def _blockwise(cfg: Any, q: Array, first_step: Array, document: Array, keys: _Ke
   if count == 1:
     return one(jnp.int32(0))[:, :length]
   out = jax.lax.map(jax.checkpoint(one), jnp.arange(count, dtype=jnp.int32) * block)
-  out = jnp.moveaxis(out, 0, 1).reshape((q.shape[0], count * block, *q.shape[2:]))
+  out = jnp.moveaxis(out, 0, 1).reshape((q.shape[0], count * block, *out.shape[3:]))
   return out[:, :length]
 
 
