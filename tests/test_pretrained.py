@@ -20,6 +20,7 @@ from flax import nnx
 from safetensors.flax import save_file as save_jax
 from safetensors.numpy import load_file, save_file
 
+import compiled
 import ssmkit.nnx as snx
 import ssmkit.pretrained
 from ssmkit import cli, layers, train
@@ -70,7 +71,7 @@ def test_a_checkpoint_computes_the_logits_and_greedy_text_of_transformers(name):
   ids, steps = expected["input_ids"], expected["generated"].shape[1]
   model, variables, config = ssmkit.pretrained.load(FIXTURES / name)
   assert config["architectures"] == [ARCHITECTURES[name]]
-  assert _relative_error(jax.jit(model.apply)(variables, ids), expected["logits"]) < 1e-4
+  assert _relative_error(compiled.run(model)(variables, ids), expected["logits"]) < 1e-4
   # Prefill, then one token at a time from the state.
   np.testing.assert_array_equal(layers.generate(model, variables, ids, steps, temperature=0.0),
                                 expected["generated"])
@@ -90,7 +91,7 @@ def _copy(tmp_path, name="mamba"):
 
 def _logits(folder):
   model, variables, _ = ssmkit.pretrained.load(folder)
-  return np.asarray(jax.jit(model.apply)(variables, _expected("mamba")["input_ids"]))
+  return np.asarray(compiled.run(model)(variables, _expected("mamba")["input_ids"]))
 
 
 def test_sharded_and_bfloat16_checkpoints_load(tmp_path):
@@ -342,7 +343,7 @@ def test_a_qwen_config_without_layer_types_attends_every_fourth_layer(tmp_path):
   _drop_config_field(folder, "layer_types")
   model, variables, _ = ssmkit.pretrained.load(folder)
   expected = _expected("qwen3_5_text")
-  assert _relative_error(jax.jit(model.apply)(variables, expected["input_ids"]),
+  assert _relative_error(compiled.run(model)(variables, expected["input_ids"]),
                          expected["logits"]) < 1e-4
   values = {**json.loads((folder / "config.json").read_text()), "full_attention_interval": 2}
   pattern = qwen3_5.options(Fields(values, folder))["layer"]
@@ -356,7 +357,7 @@ def test_a_nemotron_h_pattern_string_gives_the_same_model(tmp_path):
   _edit_config(folder, hybrid_override_pattern="ME*-")
   model, variables, _ = ssmkit.pretrained.load(folder)
   expected = _expected("nemotron_h")
-  assert _relative_error(jax.jit(model.apply)(variables, expected["input_ids"]),
+  assert _relative_error(compiled.run(model)(variables, expected["input_ids"]),
                          expected["logits"]) < 1e-4
 
 
@@ -553,18 +554,20 @@ def test_an_lm_run_saves_as_a_checkpoint(tmp_path):
     loaded, again, config = ssmkit.pretrained.load(tmp_path / "checkpoint")
   assert config["architectures"] == ["Mamba2ForCausalLM"] and config["vocab_size"] == 257
   tokens = np.arange(12, dtype=np.int32)[None] + 40
-  np.testing.assert_array_equal(jax.jit(loaded.apply)(again, tokens),
-                                jax.jit(model.apply)(variables, tokens))
+  np.testing.assert_array_equal(compiled.run(loaded)(again, tokens),
+                                compiled.run(model)(variables, tokens))
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"`model.norm_eps`=None: a Mamba2"):
     ssmkit.pretrained.save(model.clone(norm_eps=None), variables, tmp_path / "other")
 
 
 def _word_corpus(folder, seed=4):
-  """Documents of the fixtures' words, t3 ... t95, for their word-level tokenizer."""
+  """Documents of the fixtures' words, t3 ... t95, for their word-level tokenizer; each
+  shorter than the prompts of the samples a run prints (which would compile `generate` in
+  every fine-tuning test)."""
   folder.mkdir()
   rng = np.random.default_rng(seed)
-  for i in range(30):
-    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, 40)))
+  for i in range(40):
+    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, lm_train.SAMPLE_PROMPT)))
     (folder / f"doc{i}.txt").write_text(words, encoding="utf-8")
   return folder
 
@@ -587,15 +590,15 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
     model, variables, _ = train.load(workdir)
     loaded, again, config = ssmkit.pretrained.load(out)
     tokens = _expected(name)["input_ids"]
-    logits = np.asarray(jax.jit(model.apply)(variables, tokens))
-    np.testing.assert_array_equal(jax.jit(loaded.apply)(again, tokens), logits)
+    logits = np.asarray(compiled.run(model)(variables, tokens))
+    np.testing.assert_array_equal(compiled.run(loaded)(again, tokens), logits)
   jax.tree.map(np.testing.assert_array_equal, again, jax.device_get(variables))
   # The corpus's words t3 ... t95 are the tokens 3 ... 95, uniformly drawn: on such text the
   # fine-tuned model's next-token loss is below the checkpoint's.
   text = np.random.default_rng(5).integers(3, 96, (8, 16))
   fixture, weights, _ = ssmkit.pretrained.load(FIXTURES / name)
   loss = lambda model, variables: float(optax.softmax_cross_entropy_with_integer_labels(
-      jax.jit(model.apply)(variables, text[:, :-1]), text[:, 1:]).mean())
+      compiled.run(model)(variables, text[:, :-1]), text[:, 1:]).mean())
   with jax.enable_x64(False):
     assert loss(model, variables) < loss(fixture, weights)
   original = load_file(FIXTURES / name / "model.safetensors")
