@@ -42,17 +42,17 @@ def test_parallel_is_the_scaled_sum_of_its_branches_over_sequences_and_steps():
   own = _branch_params(params)
   assert sum(map(len, (own["mamba"]["params"], own["attention"]["params"]))) == len(params["params"])
   mamba, attention = (make() for make in BRANCHES)
-  y_m, s_m = mamba.apply(own["mamba"], 1.1 * x, reset, return_state=True)
-  y_a, s_a = attention.apply(own["attention"], 0.9 * x, reset, return_state=True)
-  y, state = layer.apply(params, x, reset, return_state=True)
+  y_m, s_m = compiled.run(mamba, return_state=True)(own["mamba"], 1.1 * x, reset)
+  y_a, s_a = compiled.run(attention, return_state=True)(own["attention"], 0.9 * x, reset)
+  y, state = compiled.run(layer, return_state=True)(params, x, reset)
   np.testing.assert_allclose(y, 0.6 * y_m + 1.2 * y_a, rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves((s_m, s_a)), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # One step from that state, against each branch's step.
   x_t = _x((2, 6), seed=5)
-  state, y_t = layer.apply(params, state, x_t, method="step")
-  _, y_m = mamba.apply(own["mamba"], s_m, 1.1 * x_t, method="step")
-  _, y_a = attention.apply(own["attention"], s_a, 0.9 * x_t, method="step")
+  state, y_t = compiled.run(layer, method="step")(params, state, x_t)
+  _, y_m = compiled.run(mamba, method="step")(own["mamba"], s_m, 1.1 * x_t)
+  _, y_a = compiled.run(attention, method="step")(own["attention"], s_a, 0.9 * x_t)
   np.testing.assert_allclose(y_t, 0.6 * y_m + 1.2 * y_a, rtol=1e-5, atol=1e-5)
 
 
