@@ -206,6 +206,8 @@ def _corpus(path):
     (["mesh.seq=3"], "`mesh.seq`=3 must divide the sequence length"),
     (["mesh.seq=2", "model.norm=batch"], "norm='batch'"),
     (["mesh.seq=0"], "`mesh.seq` must be a device count"),
+    (["mesh.seq=2", "model.norm=layer", "model.dtype=bfloat16"],
+     "`mesh.seq`=2 with `model.dtype`='bfloat16' aborts XLA's CPU compiler"),
 ])
 def test_a_bad_split_over_time_is_named_before_training(overrides, match):
   config = train.load_config("mnist1d_lru", ["mesh.data=1", *overrides])

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -178,6 +179,13 @@ def _check_split_over_time(config: Any, mesh: Mesh, length: int) -> None:
   if config.model.norm == "batch":
     raise ConfigError("`mesh.seq` splits the sequences over time, over which norm='batch' takes "
                       "its statistics: use `model.norm` 'layer' or 'rms'.")
+  dtype = config.model.dtype
+  if dtype is not None and jnp.dtype(dtype).itemsize < 4 and mesh.devices.flat[0].platform == "cpu":
+    # A half-precision product differentiated inside `jax.shard_map` over part of the mesh
+    # aborts the process (hlo_instruction.cc: "Invalid binary instruction opcode copy").
+    raise ConfigError(f"`mesh.seq`={seq} with `model.dtype`={dtype!r} aborts XLA's CPU compiler "
+                      "(jax 0.10); on CPU, split sequences over time in float32 "
+                      "(`model.dtype`: null).")
 
 
 class _TestSplit(NamedTuple):
