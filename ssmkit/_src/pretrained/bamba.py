@@ -59,8 +59,12 @@ def options(fields: Fields) -> dict[str, Any]:
               tie_embeddings=bool(fields.get("tie_word_embeddings", False)), decoder_bias=False)
 
 
-def mamba_layer(fields: Fields) -> Any:
-  """The Mamba-2 layer of Bamba's and Granite 4.0's `mamba_*` fields.
+def mamba_layer(fields: Fields, inner_field: str | None = None) -> Any:
+  """The Mamba-2 layer of the `mamba_*` fields of Bamba, Granite 4.0 and Falcon-H1.
+
+  Its inner width is `mamba_expand` x `hidden_size`, or the field `inner_field` where the
+  architecture has one and the config gives it (Falcon-H1's `mamba_d_ssm`; the layer is then
+  sized by its heads, `num_heads`).
 
   Raises:
     CheckpointError: naming a field whose value ssmkit cannot compute exactly.
@@ -69,14 +73,19 @@ def mamba_layer(fields: Fields) -> Any:
   fields.require("mamba_proj_bias", False)
   features = fields.int("hidden_size")
   heads, expand = fields.int("mamba_n_heads", 128), fields.int("mamba_expand", 2)
+  given = inner_field is not None and fields.get(inner_field, None) is not None
+  inner = fields.int(inner_field) if given else expand * features
   head_dim = fields.get("mamba_d_head", "auto")
-  head_dim = expand * features // heads if head_dim == "auto" else fields.int("mamba_d_head")
-  if heads * head_dim != expand * features:
+  head_dim = inner // heads if head_dim == "auto" else fields.int("mamba_d_head")
+  if heads * head_dim != inner:
+    width = "`mamba_expand` x `hidden_size`"
+    width = f"the inner width `{inner_field}` (or {width})" if inner_field else width
     raise CheckpointError(f"{fields.source}: `mamba_n_heads` x `mamba_d_head` = {heads * head_dim} "
-                          f"must be `mamba_expand` x `hidden_size` = {expand * features}.")
+                          f"must be {width} = {inner}.")
+  size = {"num_heads": heads} if inner_field else {"expand": expand}
   return functools.partial(
       Mamba2, d_state=fields.int("mamba_d_state", 256), d_conv=fields.int("mamba_d_conv", 4),
-      use_conv_bias=bool(fields.get("mamba_conv_bias", True)), expand=expand, head_dim=head_dim,
+      use_conv_bias=bool(fields.get("mamba_conv_bias", True)), head_dim=head_dim, **size,
       n_groups=fields.int("mamba_n_groups", 1),
       dt_limit=mamba2.step_limit(fields, "time_step_limit"),
       norm_eps=fields.float("rms_norm_eps", 1e-5), norm_per_group=True)
@@ -156,7 +165,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
 
 def mixer_kinds(model: Any) -> list[str]:
   """"mamba" or "attention" for each block of a pattern of Mamba-2 and attention layers."""
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   return ["mamba" if isinstance(made[i % len(made)], Mamba2) else "attention"
           for i in range(model.num_blocks)]
 
@@ -169,7 +178,7 @@ def mixer_fields(model: Any, architecture: str) -> dict[str, Any]:
     CheckpointError: naming the option that the architecture does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   eps = 1e-6 if model.norm_eps is None else model.norm_eps
   fields: dict[str, Any] = {"rms_norm_eps": eps}
   mambas = [layer for layer in made if isinstance(layer, Mamba2)]

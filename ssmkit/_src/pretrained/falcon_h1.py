@@ -63,29 +63,15 @@ def options(fields: Fields) -> dict[str, Any]:
   Raises:
     CheckpointError: naming a field whose value ssmkit cannot compute exactly.
   """
-  fields.require("hidden_act", "silu")
-  fields.require("mamba_proj_bias", False)
   fields.require("projectors_bias", False)
   features = fields.int("hidden_size")
-  heads = fields.int("mamba_n_heads", 128)
-  inner = (fields.int("mamba_d_ssm") if fields.get("mamba_d_ssm", None) is not None
-           else fields.int("mamba_expand", 2) * features)
-  head_dim = fields.get("mamba_d_head", "auto")
-  head_dim = inner // heads if head_dim == "auto" else fields.int("mamba_d_head")
-  if heads * head_dim != inner:
-    raise CheckpointError(f"{fields.source}: `mamba_n_heads` x `mamba_d_head` = {heads * head_dim} "
-                          f"must be the inner width `mamba_d_ssm` (or `mamba_expand` x "
-                          f"`hidden_size`) = {inner}.")
   gate = _GATES[(bool(fields.get("mamba_rms_norm", False)),
                  bool(fields.get("mamba_norm_before_gate", True)))]
   ssm_scales = _factors(fields, "ssm_multipliers", 5)
   eps = fields.float("rms_norm_eps", 1e-5)
   mamba = functools.partial(
-      Mamba2, d_state=fields.int("mamba_d_state", 256), d_conv=fields.int("mamba_d_conv", 4),
-      use_conv_bias=bool(fields.get("mamba_conv_bias", True)), num_heads=heads,
-      head_dim=head_dim, n_groups=fields.int("mamba_n_groups", 1),
-      dt_limit=mamba2.step_limit(fields, "time_step_limit"), norm_eps=eps, norm_per_group=True,
-      gate_norm=gate, in_proj_scales=None if set(ssm_scales) == {1.0} else ssm_scales)
+      bamba.mamba_layer(fields, inner_field="mamba_d_ssm"), gate_norm=gate,
+      in_proj_scales=None if set(ssm_scales) == {1.0} else ssm_scales)
   attention = bamba.attention_options(fields)
   key = fields.float("key_multiplier", 1.0)
   # Falcon-H1's default rotary embedding turns every channel of a head, whatever the config.

@@ -241,7 +241,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     CheckpointError: naming the option that `transformers`' Kimi Linear does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   layers = model.num_blocks // 2
   mixers = [made[(2 * i) % len(made)] for i in range(layers)]
   feeds = [made[(2 * i + 1) % len(made)] for i in range(layers)]

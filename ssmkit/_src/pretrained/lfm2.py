@@ -129,7 +129,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     CheckpointError: naming the option that `transformers`' LFM2 does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   eps = 1e-6 if model.norm_eps is None else model.norm_eps
   order = [made[i % len(made)] for i in range(model.num_blocks)]
   convs = [layer for layer in made if isinstance(layer, ShortConv)]

@@ -186,7 +186,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     CheckpointError: naming the option that `transformers`' OLMo Hybrid does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   kinds = [_KINDS[type(made[i % len(made)])] for i in range(model.num_blocks)]
   positions = norm_positions(model)
   eps = FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps

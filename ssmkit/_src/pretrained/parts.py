@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ssmkit._src.layers.attention import Attention
+from ssmkit._src.layers.model import layer_pattern
 from ssmkit._src.pretrained.files import CheckpointError, Tensors
 
 
@@ -85,6 +86,11 @@ def embedding_norm_and_head_tensors(model: Any, params: dict[str, Any], final_no
   if not model.tie_embeddings:
     tensors["lm_head.weight"] = params["decoder"]["kernel"].T
   return tensors
+
+
+def pattern_layers(model: Any) -> list[Any]:
+  """The layers of a model's pattern, one per place (`layer_pattern`), each made once."""
+  return [make() for make in layer_pattern(model.layer)]
 
 
 def paired_blocks(tensors: Tensors, model: Any, final_norm: str,

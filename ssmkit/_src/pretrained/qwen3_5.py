@@ -221,7 +221,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any],
   """
   deltanet, mlp = deltanet or deltanet_tensors, mlp or parts.swiglu_tensors
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   eps = FLAX_RMS_EPS if model.norm_eps is None else model.norm_eps
   deltanets = [layer for layer in made if isinstance(layer, GatedDeltaNet)]
   attentions = [layer for layer in made if isinstance(layer, Attention)]

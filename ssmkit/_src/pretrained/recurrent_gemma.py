@@ -147,7 +147,7 @@ def checkpoint(model: Any, blocks: list[dict[str, Any]], params: dict[str, Any]
     CheckpointError: naming the option that `transformers`' RecurrentGemma does not have.
   """
   features = model.features
-  made = [make() for make in (model.layer if isinstance(model.layer, tuple) else (model.layer,))]
+  made = parts.pattern_layers(model)
   heads = {layer.num_heads for layer in made}
   attention = [layer for layer in made if isinstance(layer, Attention)]
   recurrent = [layer for layer in made if isinstance(layer, RGLRU)]
