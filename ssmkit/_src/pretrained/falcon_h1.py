@@ -39,7 +39,7 @@ MODEL_TYPE = "falcon_h1"  # what `transformers` reads to pick the architecture
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (Parallel,)
 REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "swiglu", "prenorm": True, "pooling": "none",
-            "decoder_bias": False, "logit_cap": None, "residual_scale": 1.0}
+            "decoder_bias": False, "logit_cap": None}
 WRITES = ("mlp_scales", "logits_scaling")  # its options beyond the usual
 _GATES = {(False, True): "gate", (False, False): "gate", (True, True): "gate_normed",
           (True, False): "norm_gated"}  # by (mamba_rms_norm, mamba_norm_before_gate)
