@@ -78,8 +78,9 @@ def test_the_split_is_by_document_name_alone():
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5])
 def test_a_split_fraction_outside_zero_to_one_is_named(fraction):
+  documents = [data.Document(f"doc{i}.txt", "text") for i in range(3)]
   with pytest.raises(ValueError, match="`validation_fraction`"):
-    data.split_documents(data.read_documents(), fraction)
+    data.split_documents(documents, fraction)
 
 
 def test_a_small_corpus_keeps_a_document_on_each_side_and_one_document_is_named():

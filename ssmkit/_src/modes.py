@@ -68,6 +68,32 @@ def parse_mode(mode: str | Mode) -> Mode:
     raise ValueError(f"`mode` must be one of {names}, got {mode!r}.") from None
 
 
+class Impl(str, enum.Enum):
+  """What computes a chunked matrix-state recurrence: XLA's compiled program of its chunked
+  form, ssmkit's Pallas kernels (`matrix_state.kernels`; compiled for NVIDIA GPUs, run by
+  Pallas' interpreter elsewhere), or `AUTO`, the measured faster of the two (`resolve_impl`)."""
+
+  XLA = "xla"
+  PALLAS = "pallas"
+  AUTO = "auto"
+
+
+def parse_impl(impl: str | Impl) -> Impl:
+  """Validates a user-given `impl` once, at the public boundary."""
+  try:
+    return Impl(impl)
+  except ValueError:
+    names = ", ".join(repr(i.value) for i in Impl)
+    raise ValueError(f"`impl` must be one of {names}, got {impl!r}.") from None
+
+
+def resolve_impl(impl: Impl) -> Impl:
+  """Replaces `Impl.AUTO` by the faster implementation on this backend: the XLA forms on every
+  backend until the kernels have been timed against them on a GPU (on CPU the kernels only
+  run interpreted, for tests)."""
+  return Impl.XLA if impl is Impl.AUTO else impl
+
+
 def parse_inner(inner: str | Inner | None, allowed: tuple[Inner, ...], mode: Mode) -> Inner | None:
   """Validates a chunk-inner strategy against the ones the caller supports and `mode`.
 

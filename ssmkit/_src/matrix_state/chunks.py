@@ -259,8 +259,8 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
   if factored:
     return [list(row) for row in whole(None)]
   blocks = lambda _: _blocked_scores(xs, ys, bx, by, index, precision, strict, True)
-  path = jnp.where(_all_above(jnp.min(by, axis=3), -limit), 0,
-                   jnp.where(_all_above(by - _references(by, index), -limit), 1, 2))
+  path = jnp.where(all_above(jnp.min(by, axis=3), -limit), 0,
+                   jnp.where(all_above(by - _references(by, index), -limit), 1, 2))
   scores = lax.switch(path, [jax.checkpoint(f) for f in (whole, blocks, pairwise)], None)
   return [list(row) for row in scores]
 
@@ -283,10 +283,10 @@ def factors(x: Inputs, size: int) -> Array:
   if g is None:
     return jnp.asarray(True)
   totals = jnp.sum(g.reshape((g.shape[0], -1, size, *g.shape[2:])), axis=2)
-  return _all_above(totals, -_FACTOR_LIMIT[jnp.finfo(g.dtype).bits])
+  return all_above(totals, -_FACTOR_LIMIT[jnp.finfo(g.dtype).bits])
 
 
-def _all_above(x: Array, bound: float) -> Array:
+def all_above(x: Array, bound: float) -> Array:
   """Whether every entry of `x` is above `bound`: one answer for a whole `vmap`ped batch, so
   that a `lax.cond` or `lax.switch` on it stays one, where a batched predicate would turn it
   into a selection that runs every branch."""

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, steps
-from ssmkit._src.matrix_state.inputs import Inputs, prepare
-from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Mode
+from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
+from ssmkit._src.matrix_state.kernels import linear_attention as kernels
+from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Impl, Mode, parse_impl, resolve_impl
 
 Array = jax.Array
 
@@ -114,6 +115,7 @@ def linear_attention(
     precision: lax.PrecisionLike = None,
     check_log_decay: bool = True,
     exclusive: bool = False,
+    impl: str | Impl = "auto",
 ):
   """Linear attention with a decaying matrix state, the recurrence of SSD, RetNet and GLA.
 
@@ -170,6 +172,14 @@ def linear_attention(
       layers) passes False, so that a NaN input flows through eagerly as under `jit`.
     exclusive: each step reads the state before its own write, o_t = exp(g_t) q_t S_{t-1}
       (the write never enters its own step's output, so nothing is added and taken back).
+    impl: "xla" (the modes above, compiled by XLA), "pallas" (ssmkit's kernels of the chunked
+      form, `mode` aside: compiled for NVIDIA GPUs, run by Pallas' interpreter on other
+      backends, which only tests can afford) or "auto" (today the XLA forms everywhere: the
+      kernels have not yet been timed against them on a GPU). The kernels take float32 and
+      16-bit inputs, resets, `initial_state`, `beta`, any T, `jit`, `vmap` and `grad`; a
+      call with a non-finite input or cotangent, `exclusive`, `axis_name` or float64 inputs
+      runs the XLA form. Forward-mode derivatives (`jvp`) of the kernels are refused by
+      JAX: pass "xla" for them.
 
   Returns:
     `o` `(..., T, H, V)` in the inputs' promoted dtype (an `initial_state` wider than
@@ -181,7 +191,8 @@ def linear_attention(
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
     ValueError: for shapes that do not fit `q`, a positive or non-finite `log_decay`
       known at trace time, an unknown `mode`, a non-positive `chunk_size`, or an
-      `axis_name` that is not a mesh axis of an enclosing `shard_map`.
+      `axis_name` that is not a mesh axis of an enclosing `shard_map`, or an unknown
+      `impl`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -197,11 +208,22 @@ def linear_attention(
     hardware-efficient training", ICML 2024; Dao & Gu, "Transformers are SSMs", ICML 2024.
   """
   mode = common.check_options(mode, chunk_size, axis_name)
+  impl = resolve_impl(parse_impl(impl))
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
-  return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
-                         functools.partial(_chunk_maps, exclusive=exclusive), matrix=False,
-                         mode=mode, chunk_size=chunk_size, axis_name=axis_name,
-                         precision=precision, return_final_state=return_final_state,
-                         per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
-                         chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS)
+
+  def by_xla(x: Inputs, return_final_state: bool = return_final_state):
+    return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
+                           functools.partial(_chunk_maps, exclusive=exclusive), matrix=False,
+                           mode=mode, chunk_size=chunk_size, axis_name=axis_name,
+                           precision=precision, return_final_state=return_final_state,
+                           per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
+                           chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS)
+
+  if (impl is Impl.XLA or exclusive or axis_name is not None or x.q.shape[1] == 0
+      or x.q.dtype == jnp.float64):
+    return by_xla(x)
+  # The XLA form for the calls the kernels leave to it, in the kernels' layout and dtype.
+  fallback = lambda y: by_xla(y._replace(batch=y.q.shape[:1], dtype=y.q.dtype), True)
+  out, last = kernels.run(x, chunk_size, precision, fallback)
+  return finish(x, out, last, return_final_state)

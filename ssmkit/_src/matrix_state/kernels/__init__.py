@@ -1,0 +1,1 @@
+"""Pallas kernels of the chunked matrix-state recurrences (GPU; interpret mode elsewhere)."""

@@ -1,0 +1,218 @@
+"""The Pallas kernels of `linear_attention` (`impl="pallas"`), run by Pallas' interpreter on this
+machine: values, final state and every gradient against the float64 loop, resets inside
+chunks, an initial state, lengths around the chunk of 64, bfloat16, `vmap`, and the calls they
+leave to the XLA form (non-finite inputs, `exclusive`, `axis_name`, float64, `jvp`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import references
+from ssmkit._src.matrix_state.kernels import routed
+from ssmkit.scan import linear_attention
+
+# name: (decay per "head", per "key" or None, write strengths beta)
+KINDS = {"linear": (None, False), "ssd": ("head", False), "gla": ("key", False),
+         "ssd-written": ("head", True)}
+NAMES = ("q", "k", "v", "log_decay", "beta", "initial_state")
+LENGTHS = [1, 63, 64, 65, 1000]  # one step, around the kernels' chunk of 64, many chunks
+
+
+def _inputs(kind, length, batch=2, heads=2, dim_k=8, dim_v=4, decay=(0.0, 1.0), seed=0):
+  """float32 inputs with resets at step 1, in the middle of the sequence and at random."""
+  decay_kind, written = KINDS[kind]
+  rng = np.random.default_rng(seed)
+  shape = (batch, length, heads)
+  f32 = lambda a: np.asarray(a, np.float32)
+  reset = rng.uniform(size=(batch, length)) < 0.05
+  reset[:, [min(1, length - 1), length // 2]] = True
+  return dict(
+      q=f32(rng.normal(size=(*shape, dim_k))), k=f32(rng.normal(size=(*shape, dim_k))),
+      v=f32(rng.normal(size=(*shape, dim_v))),
+      log_decay=None if decay_kind is None else f32(-rng.uniform(
+          *decay, shape if decay_kind == "head" else (*shape, dim_k))),
+      beta=f32(rng.uniform(size=shape)) if written else None,
+      initial_state=f32(rng.normal(size=(batch, heads, dim_k, dim_v))), reset=reset)
+
+
+def _call(x, impl, **kwargs):
+  return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], beta=x["beta"],
+                          initial_state=x["initial_state"], reset=x["reset"],
+                          return_final_state=True, impl=impl, **kwargs)
+
+
+def _split(x):
+  names = tuple(n for n in NAMES if x[n] is not None)
+  return names, tuple(x[n] for n in names)
+
+
+@functools.cache
+def _vjp(impl, names):
+  """`(values, reset, cotangents) -> (outputs, final state, gradients)`, compiled once per
+  (impl, inputs given): one program computes what each test compares."""
+
+  def run(values, reset, cotangents):
+    f = lambda *values: _call(dict(dict.fromkeys(NAMES), **dict(zip(names, values, strict=True)),
+                                   reset=reset), impl)
+    (out, final), pullback = jax.vjp(f, *values)
+    return out, final, pullback(cotangents)
+
+  return jax.jit(run)
+
+
+def _reference(x, cotangents):
+  """The float64 loop's outputs, final state and gradients (autodiff of its `lax.scan`)."""
+  x64 = {n: None if x[n] is None else np.asarray(x[n], np.float64) for n in NAMES}
+  k = x64["k"] if x64["beta"] is None else x64["k"] * x64["beta"][..., None]
+  out, final = references.matrix_state(x64["q"], k, x64["v"], x64["log_decay"], None,
+                                       x64["initial_state"], x["reset"])
+  names, values = _split(x64)
+
+  def loop(*values):
+    y = dict(x64, **dict(zip(names, values, strict=True)))
+    k = y["k"] if y["beta"] is None else y["k"] * y["beta"][..., None]
+    return references.matrix_state_scan(y["q"], k, y["v"], y["log_decay"], None,
+                                        y["initial_state"], x["reset"])
+
+  grads = jax.vjp(loop, *values)[1](tuple(np.asarray(c, np.float64) for c in cotangents))
+  return out, final, grads
+
+
+def _cotangents(x, seed=1):
+  rng = np.random.default_rng(seed)
+  out_shape = (*x["v"].shape[:-1], x["v"].shape[-1])
+  return (np.asarray(rng.normal(size=out_shape), np.float32),
+          np.asarray(rng.normal(size=x["initial_state"].shape), np.float32))
+
+
+def _assert_close(actual, expected, tol):
+  expected = np.asarray(expected)
+  scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=tol, atol=tol * scale)
+
+
+CASES = [("ssd", t) for t in LENGTHS] + [("gla", t) for t in LENGTHS] + [
+    ("linear", 65), ("ssd-written", 65)]
+
+
+@pytest.mark.parametrize(("kind", "length"), CASES, ids=[f"{k}-{t}" for k, t in CASES])
+def test_kernels_match_the_float64_loop_in_values_final_state_and_every_gradient(kind, length):
+  x = _inputs(kind, length)
+  names, values = _split(x)
+  cotangents = _cotangents(x)
+  out, final, grads = _vjp("pallas", names)(values, x["reset"], cotangents)
+  want_out, want_final, want_grads = _reference(x, cotangents)
+  _assert_close(out, want_out, 1e-5)
+  _assert_close(final, want_final, 1e-5)
+  for name, got, want in zip(names, grads, want_grads, strict=True):
+    assert got.dtype == np.float32, name
+    _assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ssd", "gla"])
+def test_very_strong_decays_stay_finite_and_exact(kind):
+  """Decays of 40-60 nats a step: a chunk decays by thousands, far past float32's range, so
+  the per-key kernels must score inside blocks pair by pair and select before `exp`."""
+  x = _inputs(kind, 65, decay=(40.0, 60.0))
+  names, values = _split(x)
+  cotangents = _cotangents(x)
+  out, final, grads = _vjp("pallas", names)(values, x["reset"], cotangents)
+  want_out, want_final, want_grads = _reference(x, cotangents)
+  for got, want in zip((out, final, *grads), (want_out, want_final, *want_grads), strict=True):
+    assert np.all(np.isfinite(got))
+    _assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ssd", "gla"])
+def test_bfloat16_inputs_are_as_close_to_the_float64_loop_as_the_xla_form(kind):
+  x = _inputs(kind, 65)
+  x16 = {n: v if n == "reset" or v is None else jnp.asarray(v, jnp.bfloat16) for n, v in x.items()}
+  want, want_final = references.matrix_state(
+      *(None if x16[n] is None else np.asarray(x16[n], np.float64)
+        for n in ("q", "k", "v", "log_decay")), None,
+      np.asarray(x16["initial_state"], np.float64), x["reset"])
+  run = lambda impl: jax.jit(functools.partial(_call, impl=impl))(x16)
+  (out, final), (xla_out, _) = run("pallas"), run("xla")
+  assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+  scale = np.max(np.abs(want))
+  xla_error = np.max(np.abs(np.asarray(xla_out, np.float64) - want)) / scale
+  assert np.max(np.abs(np.asarray(out, np.float64) - want)) / scale <= 1.5 * xla_error + 1e-3
+  _assert_close(final, want_final, 1e-5)  # the state accumulates in float32 from the same inputs
+
+
+def test_vmap_of_the_gradient_is_the_gradient_of_each_row():
+  x = _inputs("gla", 20)
+  names, values = _split(x)
+  per_row = lambda row: _vjp("pallas", names)(
+      tuple(v[row:row + 1] for v in values), x["reset"][row:row + 1],
+      tuple(c[row:row + 1] for c in _cotangents(x)))
+  batched = jax.vmap(lambda values, reset, cots: _vjp("pallas", names)(values, reset, cots))(
+      tuple(v[:, None] for v in values), x["reset"][:, None],
+      tuple(c[:, None] for c in _cotangents(x)))
+  for row in range(2):
+    for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(per_row(row)), strict=True):
+      _assert_close(got[row], want, 1e-6)
+
+
+def test_a_nan_before_a_reset_reaches_nothing_after_it_through_the_xla_form():
+  """A non-finite input, or cotangent, sends the call to the XLA form, which keeps a NaN before
+  a reset out of every output and gradient after it: they equal the XLA form's on clean
+  inputs to the last bit."""
+  x = _inputs("ssd", 40)
+  x["reset"][:] = False
+  x["reset"][:, 20] = True
+  names, values = _split(x)
+  cotangents = _cotangents(x)
+  run = _vjp("pallas", names)
+  clean = _vjp("xla", names)(values, x["reset"], cotangents)
+  poisoned = dict(x, v=x["v"].copy())
+  poisoned["v"][:, 7] = np.nan
+  out, final, grads = run(_split(poisoned)[1], x["reset"], cotangents)
+  np.testing.assert_array_equal(out[:, 20:], clean[0][:, 20:])
+  np.testing.assert_array_equal(final, clean[1])
+  for got, want in zip(grads, clean[2], strict=True):
+    if got.ndim >= 3 and got.shape[1] == 40:  # per-step inputs: from the reset on
+      np.testing.assert_array_equal(got[:, 20:], want[:, 20:])
+  d_out = cotangents[0].copy()
+  d_out[:, 5] = np.inf
+  grads = run(values, x["reset"], (d_out, cotangents[1]))[2]
+  for got, want in zip(grads, clean[2], strict=True):
+    if got.ndim >= 3 and got.shape[1] == 40:
+      np.testing.assert_array_equal(got[:, 20:], want[:, 20:])
+
+
+def _runs_kernels(f, *args) -> bool:
+  return "pallas_call" in str(jax.make_jaxpr(f)(*args))
+
+
+def test_the_xla_form_takes_what_the_kernels_do_not():
+  x = _inputs("ssd", 8)
+  q, k, v, g = x["q"], x["k"], x["v"], x["log_decay"]
+  assert _runs_kernels(lambda q: linear_attention(q, k, v, g, impl="pallas"), q)
+  # "auto" has not been timed faster with the kernels on any backend yet
+  assert not _runs_kernels(lambda q: linear_attention(q, k, v, g), q)
+  assert not _runs_kernels(lambda q: linear_attention(q, k, v, g, impl="pallas",
+                                                      exclusive=True), q)
+  as64 = lambda a: np.asarray(a, np.float64)
+  assert not _runs_kernels(lambda q: linear_attention(q, as64(k), as64(v), as64(g),
+                                                      impl="pallas"), as64(q))
+  empty = linear_attention(q[:, :0], k[:, :0], v[:, :0], g[:, :0], impl="pallas")
+  assert empty.shape == (2, 0, 2, 4)
+  with pytest.raises(ValueError, match="`impl` must be one of 'xla', 'pallas', 'auto'"):
+    linear_attention(q, k, v, g, impl="triton")
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(lambda q: linear_attention(q, k, v, g, impl="pallas"), (q,), (q,))
+
+
+def test_the_kernels_take_every_finite_call_and_one_answer_serves_a_vmapped_batch():
+  finite = np.ones((3, 4), np.float32)
+  bad = finite.copy()
+  bad[1, 2] = np.nan
+  assert bool(routed.all_finite([finite, finite]))
+  assert not bool(routed.all_finite([finite, bad]))
+  # One row with a NaN sends the whole batch to the XLA form: one branch runs, not both.
+  np.testing.assert_array_equal(jax.vmap(lambda a: routed.all_finite([a]))(bad), [False] * 3)
