@@ -1,7 +1,8 @@
-"""The Pallas kernels of `linear_attention` (`impl="pallas"`), run by Pallas' interpreter on this
-machine: values, final state and every gradient against the float64 loop, resets inside
-chunks, an initial state, lengths around the chunk of 64, bfloat16, `vmap`, and the calls they
-leave to the XLA form (non-finite inputs, `exclusive`, `axis_name`, float64, `jvp`).
+"""The Pallas kernels of `linear_attention` and `delta_rule` (`impl="pallas"`), run by Pallas'
+interpreter on this machine: values, final state and every gradient against the float64 loop,
+resets inside chunks, an initial state, lengths around the chunk of 64, bfloat16, very strong
+decays, `vmap`, and the calls they leave to the XLA form (non-finite inputs, `exclusive`,
+float64, empty sequences, `jvp`).
 """
 
 import functools
@@ -13,25 +14,30 @@ import pytest
 
 import references
 from ssmkit._src.matrix_state.kernels import routed
-from ssmkit.scan import linear_attention
+from ssmkit.scan import delta_rule, linear_attention
 
-# name: (decay per "head", per "key" or None, write strengths beta)
-KINDS = {"linear": (None, False), "ssd": ("head", False), "gla": ("key", False),
-         "ssd-written": ("head", True)}
+# name: (function, decay per "head", per "key" or None, write strengths beta)
+KINDS = {"linear": ("linear", None, False), "ssd": ("linear", "head", False),
+         "gla": ("linear", "key", False), "ssd-written": ("linear", "head", True),
+         "deltanet": ("delta", None, True), "gated-deltanet": ("delta", "head", True),
+         "kda": ("delta", "key", True)}
 NAMES = ("q", "k", "v", "log_decay", "beta", "initial_state")
 LENGTHS = [1, 63, 64, 65, 1000]  # one step, around the kernels' chunk of 64, many chunks
 
 
 def _inputs(kind, length, batch=2, heads=2, dim_k=8, dim_v=4, decay=(0.0, 1.0), seed=0):
   """float32 inputs with resets at step 1, in the middle of the sequence and at random."""
-  decay_kind, written = KINDS[kind]
+  function, decay_kind, written = KINDS[kind]
   rng = np.random.default_rng(seed)
   shape = (batch, length, heads)
   f32 = lambda a: np.asarray(a, np.float32)
   reset = rng.uniform(size=(batch, length)) < 0.05
   reset[:, [min(1, length - 1), length // 2]] = True
+  k = rng.normal(size=(*shape, dim_k))
+  if function == "delta":  # unit keys, as the layers normalise them
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
   return dict(
-      q=f32(rng.normal(size=(*shape, dim_k))), k=f32(rng.normal(size=(*shape, dim_k))),
+      function=function, q=f32(rng.normal(size=(*shape, dim_k))), k=f32(k),
       v=f32(rng.normal(size=(*shape, dim_v))),
       log_decay=None if decay_kind is None else f32(-rng.uniform(
           *decay, shape if decay_kind == "head" else (*shape, dim_k))),
@@ -40,9 +46,11 @@ def _inputs(kind, length, batch=2, heads=2, dim_k=8, dim_v=4, decay=(0.0, 1.0), 
 
 
 def _call(x, impl, **kwargs):
-  return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], beta=x["beta"],
-                          initial_state=x["initial_state"], reset=x["reset"],
-                          return_final_state=True, impl=impl, **kwargs)
+  kwargs.update(initial_state=x["initial_state"], reset=x["reset"], return_final_state=True,
+                impl=impl)
+  if x["function"] == "delta":
+    return delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], **kwargs)
+  return linear_attention(x["q"], x["k"], x["v"], x["log_decay"], beta=x["beta"], **kwargs)
 
 
 def _split(x):
@@ -51,13 +59,13 @@ def _split(x):
 
 
 @functools.cache
-def _vjp(impl, names):
+def _vjp(impl, function, names):
   """`(values, reset, cotangents) -> (outputs, final state, gradients)`, compiled once per
-  (impl, inputs given): one program computes what each test compares."""
+  (impl, function, inputs given): one program computes what each test compares."""
 
   def run(values, reset, cotangents):
     f = lambda *values: _call(dict(dict.fromkeys(NAMES), **dict(zip(names, values, strict=True)),
-                                   reset=reset), impl)
+                                   function=function, reset=reset), impl)
     (out, final), pullback = jax.vjp(f, *values)
     return out, final, pullback(cotangents)
 
@@ -67,18 +75,18 @@ def _vjp(impl, names):
 def _reference(x, cotangents):
   """The float64 loop's outputs, final state and gradients (autodiff of its `lax.scan`)."""
   x64 = {n: None if x[n] is None else np.asarray(x[n], np.float64) for n in NAMES}
-  k = x64["k"] if x64["beta"] is None else x64["k"] * x64["beta"][..., None]
-  out, final = references.matrix_state(x64["q"], k, x64["v"], x64["log_decay"], None,
-                                       x64["initial_state"], x["reset"])
   names, values = _split(x64)
 
-  def loop(*values):
+  def arguments(values):
     y = dict(x64, **dict(zip(names, values, strict=True)))
-    k = y["k"] if y["beta"] is None else y["k"] * y["beta"][..., None]
-    return references.matrix_state_scan(y["q"], k, y["v"], y["log_decay"], None,
-                                        y["initial_state"], x["reset"])
+    k, beta = y["k"], y["beta"]
+    if x["function"] == "linear" and beta is not None:  # linear attention writes beta k^T v
+      k, beta = k * beta[..., None], None
+    return y["q"], k, y["v"], y["log_decay"], beta, y["initial_state"], x["reset"]
 
-  grads = jax.vjp(loop, *values)[1](tuple(np.asarray(c, np.float64) for c in cotangents))
+  out, final = references.matrix_state(*arguments(values))
+  scan = lambda *values: references.matrix_state_scan(*arguments(values))
+  grads = jax.vjp(scan, *values)[1](tuple(np.asarray(c, np.float64) for c in cotangents))
   return out, final, grads
 
 
@@ -95,8 +103,8 @@ def _assert_close(actual, expected, tol):
   np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=tol, atol=tol * scale)
 
 
-CASES = [("ssd", t) for t in LENGTHS] + [("gla", t) for t in LENGTHS] + [
-    ("linear", 65), ("ssd-written", 65)]
+CASES = [(kind, t) for kind in ("ssd", "gla", "gated-deltanet", "kda") for t in LENGTHS] + [
+    ("linear", 65), ("ssd-written", 65), ("deltanet", 65)]
 
 
 @pytest.mark.parametrize(("kind", "length"), CASES, ids=[f"{k}-{t}" for k, t in CASES])
@@ -104,7 +112,7 @@ def test_kernels_match_the_float64_loop_in_values_final_state_and_every_gradient
   x = _inputs(kind, length)
   names, values = _split(x)
   cotangents = _cotangents(x)
-  out, final, grads = _vjp("pallas", names)(values, x["reset"], cotangents)
+  out, final, grads = _vjp("pallas", x["function"], names)(values, x["reset"], cotangents)
   want_out, want_final, want_grads = _reference(x, cotangents)
   _assert_close(out, want_out, 1e-5)
   _assert_close(final, want_final, 1e-5)
@@ -113,29 +121,30 @@ def test_kernels_match_the_float64_loop_in_values_final_state_and_every_gradient
     _assert_close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["ssd", "gla"])
+@pytest.mark.parametrize("kind", ["ssd", "gla", "kda"])
 def test_very_strong_decays_stay_finite_and_exact(kind):
   """Decays of 40-60 nats a step: a chunk decays by thousands, far past float32's range, so
   the per-key kernels must score inside blocks pair by pair and select before `exp`."""
   x = _inputs(kind, 65, decay=(40.0, 60.0))
   names, values = _split(x)
   cotangents = _cotangents(x)
-  out, final, grads = _vjp("pallas", names)(values, x["reset"], cotangents)
+  out, final, grads = _vjp("pallas", x["function"], names)(values, x["reset"], cotangents)
   want_out, want_final, want_grads = _reference(x, cotangents)
   for got, want in zip((out, final, *grads), (want_out, want_final, *want_grads), strict=True):
     assert np.all(np.isfinite(got))
     _assert_close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["ssd", "gla"])
+@pytest.mark.parametrize("kind", ["ssd", "gla", "gated-deltanet", "kda"])
 def test_bfloat16_inputs_are_as_close_to_the_float64_loop_as_the_xla_form(kind):
   x = _inputs(kind, 65)
-  x16 = {n: v if n == "reset" or v is None else jnp.asarray(v, jnp.bfloat16) for n, v in x.items()}
-  want, want_final = references.matrix_state(
-      *(None if x16[n] is None else np.asarray(x16[n], np.float64)
-        for n in ("q", "k", "v", "log_decay")), None,
-      np.asarray(x16["initial_state"], np.float64), x["reset"])
-  run = lambda impl: jax.jit(functools.partial(_call, impl=impl))(x16)
+  x16 = {n: jnp.asarray(x[n], jnp.bfloat16) if n in NAMES and x[n] is not None else x[n]
+         for n in x}
+  rounded = {n: np.asarray(a, np.float32) if n in NAMES and a is not None else a
+             for n, a in x16.items()}
+  want, want_final, _ = _reference(rounded, _cotangents(x))
+  arrays = {n: a for n, a in x16.items() if n != "function"}
+  run = lambda impl: jax.jit(lambda y: _call(dict(y, function=x["function"]), impl))(arrays)
   (out, final), (xla_out, _) = run("pallas"), run("xla")
   assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
   scale = np.max(np.abs(want))
@@ -147,10 +156,11 @@ def test_bfloat16_inputs_are_as_close_to_the_float64_loop_as_the_xla_form(kind):
 def test_vmap_of_the_gradient_is_the_gradient_of_each_row():
   x = _inputs("gla", 20)
   names, values = _split(x)
-  per_row = lambda row: _vjp("pallas", names)(
+  per_row = lambda row: _vjp("pallas", "linear", names)(
       tuple(v[row:row + 1] for v in values), x["reset"][row:row + 1],
       tuple(c[row:row + 1] for c in _cotangents(x)))
-  batched = jax.vmap(lambda values, reset, cots: _vjp("pallas", names)(values, reset, cots))(
+  batched = jax.vmap(lambda values, reset, cots: _vjp("pallas", "linear", names)(
+      values, reset, cots))(
       tuple(v[:, None] for v in values), x["reset"][:, None],
       tuple(c[:, None] for c in _cotangents(x)))
   for row in range(2):
@@ -167,8 +177,8 @@ def test_a_nan_before_a_reset_reaches_nothing_after_it_through_the_xla_form():
   x["reset"][:, 20] = True
   names, values = _split(x)
   cotangents = _cotangents(x)
-  run = _vjp("pallas", names)
-  clean = _vjp("xla", names)(values, x["reset"], cotangents)
+  run = _vjp("pallas", "linear", names)
+  clean = _vjp("xla", "linear", names)(values, x["reset"], cotangents)
   poisoned = dict(x, v=x["v"].copy())
   poisoned["v"][:, 7] = np.nan
   out, final, grads = run(_split(poisoned)[1], x["reset"], cotangents)
@@ -193,6 +203,9 @@ def test_the_xla_form_takes_what_the_kernels_do_not():
   x = _inputs("ssd", 8)
   q, k, v, g = x["q"], x["k"], x["v"], x["log_decay"]
   assert _runs_kernels(lambda q: linear_attention(q, k, v, g, impl="pallas"), q)
+  beta = np.full(g.shape, 0.5, np.float32)
+  assert _runs_kernels(lambda q: delta_rule(q, k, v, beta, g, impl="pallas"), q)
+  assert not _runs_kernels(lambda q: delta_rule(q, k, v, beta, g), q)
   # "auto" has not been timed faster with the kernels on any backend yet
   assert not _runs_kernels(lambda q: linear_attention(q, k, v, g), q)
   assert not _runs_kernels(lambda q: linear_attention(q, k, v, g, impl="pallas",

@@ -15,7 +15,7 @@ from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, vary_alike
 from ssmkit._src.matrix_state import chunks, low_rank, triangular
 from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
-from ssmkit._src.modes import Mode, parse_mode, resolve_matrix_mode
+from ssmkit._src.modes import Impl, Mode, parse_mode, resolve_impl, resolve_matrix_mode
 
 Array = jax.Array
 DEFAULT_CHUNK_SIZE = 64
@@ -32,6 +32,9 @@ Sequential = Callable[[Inputs, int | None, object], tuple[Array, Array]]
 # states entering the chunks, with `low_rank.LowRank` maps the `(Z, H, n, C, V)` rows they give
 # where the caller has them -> `(Z, H, n, R, V)`.
 Outputs = Callable[[Array, Array | None], Array]
+# kernels(inputs, chunk size, precision, the XLA form) -> (Z, T, H, V) outputs and final state
+Kernels = Callable[[Inputs, int | None, object, Callable[[Inputs], tuple[Array, Array]]],
+                   tuple[Array, Array]]
 # chunk_maps(chunks, precision) -> (chunk-first maps, their outputs)
 ChunkMaps = Callable[[chunks.Chunks, object],
                      tuple[state_pass.Maps | low_rank.LowRank, Outputs]]
@@ -254,6 +257,24 @@ def check_options(mode: str | Mode, chunk_size: int | None, axis_name: Hashable 
   if axis_name is not None:
     axis_position(axis_name)
   return mode
+
+
+def evaluate_by(impl: Impl, x: Inputs, kernels: Kernels, xla: Callable[[Inputs, bool], Any], *,
+                chunk_size: int | None, axis_name: Hashable | None, precision,
+                return_final_state: bool):
+  """The recurrence by the Pallas `kernels` where `impl` asks for them and they take the call,
+  else by `xla(x, return_final_state)`, the XLA form (`evaluate` with the caller's options).
+
+  The XLA form takes `axis_name`, empty sequences and float64 inputs, and inside the kernels'
+  call the inputs or cotangents with a non-finite entry (`kernels.routed`).
+  """
+  if (resolve_impl(impl) is Impl.XLA or axis_name is not None or x.q.shape[1] == 0
+      or x.q.dtype == jnp.float64):
+    return xla(x, return_final_state)
+  # The XLA form in the kernels' layout and dtype: (Z, T, H, V) outputs and the final state.
+  fallback = lambda y: xla(y._replace(batch=y.q.shape[:1], dtype=y.q.dtype), True)
+  out, last = kernels(x, chunk_size, precision, fallback)
+  return finish(x, out, last, return_final_state)
 
 
 def evaluate(

@@ -10,7 +10,8 @@ from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, low_rank, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
-from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Mode
+from ssmkit._src.matrix_state.kernels import delta_rule as kernels
+from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Impl, Mode, parse_impl
 
 Array = jax.Array
 
@@ -124,6 +125,7 @@ def delta_rule(
     axis_name: Hashable | None = None,
     precision: lax.PrecisionLike = None,
     check_log_decay: bool = True,
+    impl: str | Impl = "auto",
 ):
   """The delta rule and the gated delta rule (DeltaNet, Gated DeltaNet, KDA), per head.
 
@@ -165,6 +167,9 @@ def delta_rule(
       as S -> M S + U with M the `(K, K)` product of its transitions.
     precision: precision of the matrix products (`jax.lax.Precision`).
     check_log_decay: as in `linear_attention`.
+    impl: "xla", "pallas" or "auto", as in `linear_attention`: the kernels solve each chunk's
+      system by products too, and take `beta`, both decays, resets, `initial_state` and any
+      T; `axis_name`, float64, non-finite inputs or cotangents and `jvp` go to the XLA form.
 
   Returns:
     `o` `(..., T, H, V)`; with `return_final_state`, `(o, S_T)`, dtypes as in
@@ -173,8 +178,8 @@ def delta_rule(
   Raises:
     TypeError: for integer or complex inputs, or a non-boolean `reset`.
     ValueError: for shapes that do not fit `q`, a positive or non-finite `log_decay` known
-      at trace time, an unknown `mode`, a non-positive `chunk_size`, or an `axis_name`
-      outside `shard_map`.
+      at trace time, an unknown `mode` or `impl`, a non-positive `chunk_size`, or an
+      `axis_name` outside `shard_map`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -191,10 +196,15 @@ def delta_rule(
     Kimi Team, "Kimi Linear: an expressive, efficient attention architecture", 2025.
   """
   mode = common.check_options(mode, chunk_size, axis_name)
+  impl = parse_impl(impl)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
-  return evaluate(x, mode=mode, chunk_size=chunk_size, axis_name=axis_name,
-                  precision=precision, return_final_state=return_final_state)
+  by_xla = lambda x, return_final_state: evaluate(
+      x, mode=mode, chunk_size=chunk_size, axis_name=axis_name, precision=precision,
+      return_final_state=return_final_state)
+  return common.evaluate_by(impl, x, kernels.run, by_xla, chunk_size=chunk_size,
+                            axis_name=axis_name, precision=precision,
+                            return_final_state=return_final_state)
 
 
 def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashable | None,

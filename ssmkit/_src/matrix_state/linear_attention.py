@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ssmkit._src.matrix_state import chunks, common, steps
-from ssmkit._src.matrix_state.inputs import Inputs, finish, prepare
+from ssmkit._src.matrix_state.inputs import Inputs, prepare
 from ssmkit._src.matrix_state.kernels import linear_attention as kernels
-from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Impl, Mode, parse_impl, resolve_impl
+from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Impl, Mode, parse_impl
 
 Array = jax.Array
 
@@ -208,11 +208,11 @@ def linear_attention(
     hardware-efficient training", ICML 2024; Dao & Gu, "Transformers are SSMs", ICML 2024.
   """
   mode = common.check_options(mode, chunk_size, axis_name)
-  impl = resolve_impl(parse_impl(impl))
+  impl = parse_impl(impl)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
               reset=reset, check_log_decay=check_log_decay)
 
-  def by_xla(x: Inputs, return_final_state: bool = return_final_state):
+  def by_xla(x: Inputs, return_final_state: bool):
     return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
                            functools.partial(_chunk_maps, exclusive=exclusive), matrix=False,
                            mode=mode, chunk_size=chunk_size, axis_name=axis_name,
@@ -220,10 +220,6 @@ def linear_attention(
                            per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
                            chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS)
 
-  if (impl is Impl.XLA or exclusive or axis_name is not None or x.q.shape[1] == 0
-      or x.q.dtype == jnp.float64):
-    return by_xla(x)
-  # The XLA form for the calls the kernels leave to it, in the kernels' layout and dtype.
-  fallback = lambda y: by_xla(y._replace(batch=y.q.shape[:1], dtype=y.q.dtype), True)
-  out, last = kernels.run(x, chunk_size, precision, fallback)
-  return finish(x, out, last, return_final_state)
+  return common.evaluate_by(Impl.XLA if exclusive else impl, x, kernels.run, by_xla,
+                            chunk_size=chunk_size, axis_name=axis_name, precision=precision,
+                            return_final_state=return_final_state)
