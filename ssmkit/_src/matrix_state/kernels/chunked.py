@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from ssmkit._src.matrix_state.kernels import routed
 
@@ -32,6 +33,9 @@ ChunkBackward = Callable[[dict[str, Array], Array, Array, Array], tuple[dict[str
 
 # The steps per chunk unless the caller asks for others.
 DEFAULT_CHUNK = 64
+# Triton's lowering (Pallas' default on NVIDIA GPUs is Mosaic GPU, which stages whole blocks in
+# shared memory: a sequence of one head does not fit there).
+_TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=1)
 
 
 def _spec(a: Array) -> pl.BlockSpec:
@@ -69,7 +73,7 @@ def _forward_call(step: ChunkForward, names: tuple[str, ...], arrays: tuple[Arra
 
   out_spec = pl.BlockSpec((None, length, None, dim_v), lambda z, h: (z, 0, h, 0))
   return pl.pallas_call(
-      kernel, grid=(z, heads), interpret=interpret,
+      kernel, grid=(z, heads), interpret=interpret, compiler_params=_TRITON,
       in_specs=[*map(_spec, arrays), _state_spec(state)], out_specs=[out_spec, _state_spec(state)],
       out_shape=[jax.ShapeDtypeStruct((z, length, heads, dim_v), F32),
                  jax.ShapeDtypeStruct(state.shape, F32)],
@@ -110,7 +114,7 @@ def _backward_call(step: ChunkForward, step_back: ChunkBackward, names: tuple[st
   by_name = dict(zip(names, arrays, strict=True))
   kept = pl.BlockSpec((None, None, n, *state.shape[2:]), lambda z, h: (z, h, 0, 0, 0))
   *grads, d_state0, _ = pl.pallas_call(
-      kernel, grid=(z, heads), interpret=interpret,
+      kernel, grid=(z, heads), interpret=interpret, compiler_params=_TRITON,
       in_specs=[*map(_spec, arrays), _state_spec(state), _spec(d_out), _state_spec(state)],
       out_specs=[*(_spec(by_name[name]) for name in differentiated), _state_spec(state), kept],
       out_shape=[*(jax.ShapeDtypeStruct(by_name[name].shape, F32) for name in differentiated),
@@ -120,10 +124,17 @@ def _backward_call(step: ChunkForward, step_back: ChunkBackward, names: tuple[st
   return tuple(grads), d_state0
 
 
+def interpreted() -> bool:
+  """Whether the kernels run in Pallas' interpreter: on every backend but NVIDIA GPUs, whose
+  Triton lowering compiles them."""
+  return jax.default_backend() != "gpu"
+
+
 def chunk_size(length: int, requested: int | None) -> int:
-  """The kernels' chunk: `requested` (default 64), or for a shorter sequence the power of two
-  from 16 that holds it."""
-  return min(requested or DEFAULT_CHUNK, max(16, 1 << max(length - 1, 0).bit_length()))
+  """The kernels' chunk, a power of two from 16 (`_width`): the largest not above `requested`
+  (default 64), or for a shorter sequence the smallest that holds it."""
+  most = 1 << max((requested or DEFAULT_CHUNK).bit_length() - 1, 4)
+  return min(most, max(16, 1 << max(length - 1, 0).bit_length()))
 
 
 def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], state: Array,
@@ -133,9 +144,9 @@ def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], 
 
   Args:
     step, step_back: the recurrence's chunk functions (module docstring).
-    arrays: its inputs by name, `(Z, T, H, ...)` float32, "reset" `(Z, T)` float32 and "v"
-      among them; padded here to whole chunks (padding steps must leave the state as it is
-      when zero).
+    arrays: its inputs by name, `(Z, T, H[, D])` float32, "reset" `(Z, T)` float32 and "v"
+      among them; padded here with zeros to whole chunks (zero steps must leave the state as
+      it is) and channels to powers of two (`_width`).
     state: `(Z, H, K, V)` the state before the first step.
     size: steps per chunk.
     fallback: the XLA form, `fallback(*arrays.values(), state) -> (outputs, final state)`,
@@ -143,24 +154,43 @@ def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], 
   """
   names = tuple(arrays)
   length = arrays["v"].shape[1]
-  dim_v = arrays["v"].shape[3]
-  interpret = jax.default_backend() != "gpu"
+  interpret = interpreted()
   extra = -length % size
-  pad = lambda a: jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
-  cut = lambda a: a[:, :length]
+
+  def pad(a: Array) -> Array:
+    """Whole chunks, and channels (the last axis of `(Z, T, H, D)`) to a power of two."""
+    widths = [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2)
+    if a.ndim == 4:
+      widths[3] = (0, _width(a.shape[3]) - a.shape[3])
+    return jnp.pad(a, widths)
+
+  def pad_state(s: Array) -> Array:
+    return jnp.pad(s, [(0, 0), (0, 0), *((0, _width(d) - d) for d in s.shape[2:])])
+
+  def cut(a: Array, like: Array) -> Array:
+    return a[:, :length, ..., :like.shape[-1]] if like.ndim == 4 else a[:, :length]
+
+  cut_state = lambda s: s[:, :, :state.shape[2], :state.shape[3]]
 
   def by_kernel(*values):
-    *padded, s0 = values
-    out, last = _forward_call(step, names, tuple(map(pad, padded)), s0, dim_v, size, interpret)
-    return cut(out), last
+    *inputs, s0 = values
+    out, last = _forward_call(step, names, tuple(map(pad, inputs)), pad_state(s0),
+                              _width(arrays["v"].shape[3]), size, interpret)
+    return cut(out, arrays["v"]), cut_state(last)
 
   def by_kernel_backward(*values):
-    *padded, s0, d_out, d_state = values
-    grads, d_s0 = _backward_call(step, step_back, names, tuple(map(pad, padded)), s0, pad(d_out),
-                                 d_state, size, interpret)
-    grads = iter(map(cut, grads))
-    return (*(jnp.zeros_like(a) if name == "reset" else next(grads)
-              for name, a in arrays.items()), d_s0)
+    *inputs, s0, d_out, d_state = values
+    grads, d_s0 = _backward_call(step, step_back, names, tuple(map(pad, inputs)), pad_state(s0),
+                                 pad(d_out), pad_state(d_state), size, interpret)
+    grads = iter(grads)
+    return (*(jnp.zeros_like(a) if name == "reset" else cut(next(grads), a)
+              for name, a in arrays.items()), cut_state(d_s0))
 
   return routed.routed(by_kernel, by_kernel_backward, fallback, *arrays.values(), state)
 
+
+def _width(channels: int) -> int:
+  """Channels padded to a power of two from 16: Triton's lowering takes no other shapes, and
+  its matrix products no dimension below 16. Zero channels of keys, queries, values and
+  per-key decays change nothing: their rows and columns of the state stay zero."""
+  return max(16, 1 << (channels - 1).bit_length())
