@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import references
+from ssmkit._src.layers.registry import LAYERS
 from ssmkit._src.matrix_state.kernels import chunked, routed
 from ssmkit.scan import delta_rule, linear_attention
 
@@ -253,3 +254,22 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus(function, per_key, monkeypa
     exported = jax.export.export(jax.jit(program), platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, q, v)
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet", "kimi_delta_attention"])
+def test_a_layer_with_impl_pallas_runs_the_kernels_to_the_xla_forms_outputs_and_gradients(name):
+  entry = LAYERS[name]
+  x = np.random.default_rng(0).normal(size=(2, 70, 8)).astype(np.float32)
+  reset = np.zeros((2, 70), bool)
+  reset[:, 33] = True
+  layers = {impl: entry.layer(**entry.test_configs[0], impl=impl) for impl in ("xla", "pallas")}
+  params = layers["xla"].init(jax.random.key(0), x)
+  results = {}
+  for impl, layer in layers.items():
+    loss = lambda params, x, layer=layer: jnp.sum(jnp.sin(layer.apply(params, x, reset)))
+    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    assert ("pallas_call" in str(jax.make_jaxpr(program)(params, x))) == (impl == "pallas")
+    results[impl] = program(params, x)
+  for got, want in zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"]),
+                       strict=True):
+    _assert_close(got, want, 1e-5)

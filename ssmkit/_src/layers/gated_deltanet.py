@@ -64,7 +64,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,
                     initial_state=state.recurrent, reset=reset, mode=mode,
                     chunk_size=cfg.chunk_size, return_final_state=True, check_log_decay=False,
-                    axis_name=axis_name)
+                    axis_name=axis_name, impl=cfg.impl)
   # The output gate after a per-head RMSNorm.
   gate = delta_heads.by_head(common.project(x, params["g_proj"], dtype), v_heads)
   y = delta_heads.gated_output(params, o, gate, cfg.norm_eps, jax.nn.silu, dtype)
@@ -108,6 +108,8 @@ class GatedDeltaNet(functional.LinenLayer):
       (a negative eigenvalue; Grazzi et al. 2025, OLMo Hybrid's `linear_allow_neg_eigval`).
     d_conv: width of the causal convolutions.
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    impl: what computes the recurrence: "auto", "xla" or "pallas", the Pallas kernels
+      (`ssmkit.scan.delta_rule`'s `impl`; "auto" runs the XLA form everywhere today).
     param_dtype: dtype of the parameters.
 
   References:
@@ -124,6 +126,7 @@ class GatedDeltaNet(functional.LinenLayer):
   allow_neg_eigval: bool = False
   d_conv: int = 4
   chunk_size: int | None = None
+  impl: str = "auto"
   param_dtype: jnp.dtype = jnp.float32
 
   # As in the reference: the decay's parameters and the norm without weight decay.

@@ -81,7 +81,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta,
                     log_decay(cfg, params, x), initial_state=state.recurrent, reset=reset,
                     mode=mode, chunk_size=cfg.chunk_size, return_final_state=True,
-                    check_log_decay=False, axis_name=axis_name)
+                    check_log_decay=False, axis_name=axis_name, impl=cfg.impl)
   gate = common.project(common.project(x, params["g_down"], dtype), params["g_up"], dtype)
   if "g_bias" in params:
     gate = gate + common.leading_ones(params["g_bias"], gate.ndim)
@@ -129,6 +129,8 @@ class KimiDeltaAttention(functional.LinenLayer):
       checkpoints have none).
     d_conv: width of the causal convolutions.
     chunk_size: steps per chunk of the chunkwise algorithm; default 32.
+    impl: what computes the recurrence: "auto", "xla" or "pallas", the Pallas kernels
+      (`ssmkit.scan.delta_rule`'s `impl`; "auto" runs the XLA form everywhere today).
     param_dtype: dtype of the parameters.
 
   References:
@@ -146,6 +148,7 @@ class KimiDeltaAttention(functional.LinenLayer):
   gate_bias: bool = True
   d_conv: int = 4
   chunk_size: int | None = None
+  impl: str = "auto"
   param_dtype: jnp.dtype = jnp.float32
 
   parameter_groups = common.ParameterGroups(no_decay=frozenset({"A_log", "dt_bias", "norm_scale"}))

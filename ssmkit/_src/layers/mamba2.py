@@ -106,7 +106,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,
                             initial_state=state.recurrent, reset=reset, mode=mode,
                             chunk_size=cfg.chunk_size, return_final_state=True,
-                            check_log_decay=False, axis_name=axis_name)
+                            check_log_decay=False, axis_name=axis_name, impl=cfg.impl)
   y = y + u * common.leading_ones(params["D"][:, None], u.ndim)
   y = y.reshape(*y.shape[:-2], inner)
   if cfg.gate_norm == "gate":
@@ -168,6 +168,8 @@ class Mamba2(functional.LinenLayer):
     in_proj_scales: factors on the in-projection's five parts (z, x, B, C, dt) after it, or
       None (Falcon-H1's `ssm_multipliers`).
     chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    impl: what computes the recurrence: "auto", "xla" or "pallas", the Pallas kernels
+      (`ssmkit.scan.linear_attention`'s `impl`; "auto" runs the XLA form everywhere today).
     param_dtype: dtype of the parameters.
 
   References:
@@ -190,6 +192,7 @@ class Mamba2(functional.LinenLayer):
   gate_norm: str = "norm_gated"
   in_proj_scales: tuple[float, float, float, float, float] | None = None
   chunk_size: int | None = None
+  impl: str = "auto"
   param_dtype: jnp.dtype = jnp.float32
 
   # As in the reference: A, D, the step bias and the norm at the base rate without weight decay.
