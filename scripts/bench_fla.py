@@ -4,6 +4,8 @@ On one CUDA GPU, for each function that flash-linear-attention (FLA) also has, t
 forward pass and the gradient with respect to every input (of sum(o * w), w ~ N(0, 1)) of:
 
 - `ssmkit auto` (jitted JAX), in float32 and in bfloat16;
+- `ssmkit pallas`, ssmkit's Pallas kernels (`impl="pallas"`, Triton), in bfloat16, for the
+  functions that have them (linear attention, the gated delta rule, KDA);
 - FLA's chunked kernel (`chunk_simple_gla`, `chunk_gated_delta_rule`, `chunk_kda`,
   `chunk_dplr_delta_rule`, `chunk_gated_delta_product` with two Householder steps) in
   bfloat16, FLA's own benchmark dtype (`benchmarks/ops/run.py`);
@@ -129,6 +131,10 @@ def _case(function: str, shape: bench.Shape, repeats: int) -> list[tuple[str, ..
   say("ssmkit float32 compiled")
   methods["ssmkit auto", "bfloat16"] = _jax_method(ours("auto"), bf16(args), w.astype(jnp.bfloat16))
   say("ssmkit bfloat16 compiled")
+  if bench.kernel(function) is not None:
+    methods[bench.PALLAS, "bfloat16"] = _jax_method(bench.kernel(function), bf16(args),
+                                                    w.astype(jnp.bfloat16))
+    say("ssmkit's kernels compiled")
   fla_key = ("FLA chunk", "bfloat16")
   methods[fla_key] = _fla_method(function, args, w)
   say("FLA compiled")
@@ -142,18 +148,19 @@ def _case(function: str, shape: bench.Shape, repeats: int) -> list[tuple[str, ..
   fla_out = methods[fla_key][2]
   scale = np.abs(fla_out).max()
   rows = []
+  ratio = lambda a, b: f"{seconds[a] / seconds[b]:.2f}" if {a, b} <= set(seconds) else "n/a"
   for key, (_, _, out, held) in methods.items():
-    versus = ((fla_key, "gradient"), (key, "gradient"))
     rows.append((function, str(shape), *key, ms((key, "forward")), ms((key, "gradient")),
-                 f"{seconds[versus[0]] / seconds[versus[1]]:.2f}" if set(versus) <= set(seconds)
-                 else "n/a",
+                 ratio((key, "forward"), (fla_key, "forward")),
+                 ratio((key, "gradient"), (fla_key, "forward")),
+                 ratio((fla_key, "gradient"), (key, "gradient")),
                  "n/a" if held is None else _timing.significant(held / 2**20),
                  f"{np.abs(out - fla_out).max() / scale:.1e}"))
   return rows
 
 
-HEADERS = ("function", "shape", "method", "dtype", "fwd ms", "fwd+bwd ms", "x FLA fwd+bwd",
-           "memory MiB", "diff")
+HEADERS = ("function", "shape", "method", "dtype", "fwd ms", "fwd+bwd ms", "fwd / FLA fwd",
+           "fwd+bwd / FLA fwd", "x FLA fwd+bwd", "memory MiB", "diff")
 
 
 def main() -> None:
@@ -165,6 +172,8 @@ def main() -> None:
                       help="how many of FLA's shapes, smallest first")
   parser.add_argument("--skip-judged", action="store_true",
                       help="FLA's shapes only, without the bench's judged shape")
+  parser.add_argument("--shape", action="append", default=[], metavar="B,T,H,D",
+                      help="these shapes instead (repeatable), e.g. 8,2048,16,128")
   parser.add_argument("--budget-s", type=float, default=300.0,
                       help="start no new shape after this many seconds")
   parser.add_argument("--markdown", action="store_true")
@@ -172,13 +181,16 @@ def main() -> None:
   device = jax.devices()[0]
   print(f"jax {jax.__version__} on {device.device_kind}; torch {torch.__version__} on "
         f"{torch.cuda.get_device_name()}; median of {args.repeats} samples, methods taking turns. "
-        "x FLA fwd+bwd: FLA's gradient time over the row's.\n", flush=True)
+        "fwd / FLA fwd, fwd+bwd / FLA fwd: the row's times over FLA's forward; x FLA fwd+bwd: FLA's "
+        "gradient time over the row's.\n", flush=True)
+  shapes = FLA_SHAPES[:args.shapes] if args.skip_judged else (JUDGED, *FLA_SHAPES[:args.shapes])
+  if args.shape:
+    shapes = tuple(bench.Shape(*map(int, text.split(","))) for text in args.shape)
   table = _timing.StreamedTable(
-      HEADERS, [args.functions, [str(s) for s in (JUDGED, *FLA_SHAPES)],
-                ["lax.scan", "ssmkit auto", "FLA chunk"], ["float32", "bfloat16"]],
+      HEADERS, [args.functions, [str(s) for s in shapes],
+                ["lax.scan", "ssmkit auto", bench.PALLAS, "FLA chunk"], ["float32", "bfloat16"]],
       markdown=args.markdown)
   start = time.monotonic()
-  shapes = FLA_SHAPES[:args.shapes] if args.skip_judged else (JUDGED, *FLA_SHAPES[:args.shapes])
   for shape in shapes:
     if time.monotonic() - start > args.budget_s:
       print(f"(budget spent: {shape} and larger skipped)", flush=True)

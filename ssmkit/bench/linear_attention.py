@@ -39,6 +39,7 @@ QUADRATIC = "quadratic"
 CHUNKED_AUTODIFF = "chunked autodiff"
 AUTO = "ssmkit auto"
 MODES = ("auto", "sequential", "chunked", "parallel")
+PALLAS = "ssmkit pallas"
 
 _RTOL = 1e-2  # agreement with lax.scan, relative to the largest magnitude (TF32 on GPUs)
 _QUADRATIC_MAX_BYTES = 2**30
@@ -218,6 +219,18 @@ _FUNCTIONS: dict[str, tuple[Method, Callable[[str], Method]]] = {
         q, k, v, g, dt, lam, rate, mode=mode)),
 }
 FUNCTIONS = tuple(_FUNCTIONS)
+# The functions with Pallas kernels (`impl="pallas"`), timed on GPUs only: elsewhere Pallas
+# interprets them, which tests them but says nothing of their speed.
+_KERNELS: dict[str, Method] = {
+    "linear_attention": lambda q, k, v, g: linear_attention(q, k, v, g, impl="pallas"),
+    "delta_rule": lambda q, k, v, g, beta: delta_rule(q, k, v, beta, g, impl="pallas"),
+    "kda": lambda q, k, v, g, beta: delta_rule(q, k, v, beta, g, impl="pallas"),
+}
+
+
+def kernel(function: str) -> Method | None:
+  """`function` by its Pallas kernels where they compile (NVIDIA GPUs), else None."""
+  return _KERNELS.get(function) if jax.default_backend() == "gpu" else None
 NEWER = ("kda", "generalized_delta_rule", "delta_product", "mamba3")  # not at the longest shape
 _PRODUCTS = 2  # delta_product's steps per token
 LOG_DECAYS = (0.01, 0.3)  # the inputs' log-decays are drawn from [-0.3, -0.01]
@@ -231,6 +244,8 @@ def _methods(function: str, shape: Shape) -> dict[str, Method]:
       methods[QUADRATIC] = _quadratic
     methods[CHUNKED_AUTODIFF] = _chunked_autodiff
   methods.update({f"ssmkit {mode}": ours(mode) for mode in MODES})
+  if kernel(function) is not None:
+    methods[PALLAS] = kernel(function)
   return methods
 
 
@@ -419,7 +434,7 @@ def run(*, shapes: str, repeats: int, markdown: bool, functions: Sequence[str] |
   functions = FUNCTIONS if functions is None else tuple(functions)
   cases = [Case(function, shape) for shape in suite.shapes for function in functions
            if function not in NEWER or shape != suite.compile_shape]
-  methods = [*_methods("linear_attention", suite.shapes[0]), *(f"ssmkit {m}" for m in MODES)]
+  methods = list(_methods("linear_attention", suite.shapes[0]))
   table = _timing.StreamedTable(
       HEADERS, [functions, [str(s) for s in suite.shapes], methods], markdown=markdown
   )
