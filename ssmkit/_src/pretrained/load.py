@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pathlib
 from typing import Any
 
@@ -116,7 +118,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   if wrapper is not None:
     fields = _language_model(fields)
     ignored, renamed = (*ignored, *wrapper.ignored), (wrapper.prefix, "model.")
-  model = SequenceModel(**architecture.options(fields), dtype=dtype)
+  model = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
   try:
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
   except ValueError as error:
@@ -134,6 +136,33 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     twin = from_linen(model, variables)
     return twin, flax_nnx.state(twin), values
   return model, variables, values
+
+
+@functools.cache
+def _partial(func: Any, args: tuple, keywords: tuple) -> functools.partial:
+  return functools.partial(func, *args, **dict(keywords))
+
+
+def _canonical(x: Any) -> Any:
+  """`x` with each `functools.partial` in it (nested in others, tuples and dicts) made one object
+  per function and arguments.
+
+  A partial compares by identity: two loads of one checkpoint would build unequal models, and
+  what `jax.jit` traced and compiled for one (a module as a static argument) would not serve
+  the other. A partial with an unhashable argument stays as it is.
+  """
+  if isinstance(x, tuple):
+    return tuple(map(_canonical, x))
+  if isinstance(x, dict):
+    return {key: _canonical(value) for key, value in x.items()}
+  if not isinstance(x, functools.partial):
+    return x
+  args = tuple(map(_canonical, x.args))
+  keywords = tuple(sorted((key, _canonical(value)) for key, value in x.keywords.items()))
+  try:
+    return _partial(_canonical(x.func), args, keywords)
+  except TypeError:
+    return functools.partial(x.func, *args, **dict(keywords))
 
 
 def _architecture(fields: Fields) -> Any:
