@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import pathlib
 from typing import Any
 
@@ -14,21 +13,21 @@ from flax import traverse_util
 from ssmkit._src.layers.common import check_float_dtype
 from ssmkit._src.layers.model import SequenceModel
 from ssmkit._src.pretrained import (
-    bamba,
-    falcon_h1,
-    falcon_mamba,
-    granitemoehybrid,
-    jamba,
-    kimi_linear,
-    lfm2,
-    mamba,
-    mamba2,
-    nemotron_h,
-    olmo_hybrid,
-    qwen3_5,
-    qwen3_5_moe,
-    qwen3_next,
-    recurrent_gemma,
+  bamba,
+  falcon_h1,
+  falcon_mamba,
+  granitemoehybrid,
+  jamba,
+  kimi_linear,
+  lfm2,
+  mamba,
+  mamba2,
+  nemotron_h,
+  olmo_hybrid,
+  qwen3_5,
+  qwen3_5_moe,
+  qwen3_next,
+  recurrent_gemma,
 )
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
