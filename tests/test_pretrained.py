@@ -588,11 +588,12 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
     assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
     assert cli.main(["export", "--workdir", str(workdir), str(out)]) == 0
     model, variables, _ = train.load(workdir)
+    variables = jax.device_get(variables)  # as `load`'s, so one program serves both
     loaded, again, config = ssmkit.pretrained.load(out)
     tokens = _expected(name)["input_ids"]
     logits = np.asarray(compiled.run(model)(variables, tokens))
     np.testing.assert_array_equal(compiled.run(loaded)(again, tokens), logits)
-  jax.tree.map(np.testing.assert_array_equal, again, jax.device_get(variables))
+  jax.tree.map(np.testing.assert_array_equal, again, variables)
   # The corpus's words t3 ... t95 are the tokens 3 ... 95, uniformly drawn: on such text the
   # fine-tuned model's next-token loss over the run's 16 steps is below the checkpoint's. The
   # texts have the tokens' shape: the three models are one (a checkpoint loads to equal

@@ -38,7 +38,13 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
   Returns:
     The state at step 0.
   """
-  variables = jax.jit(lambda k: model.init(k, example["x"], example.get("mask"), mode=mode))(key)
+  init = lambda k: model.init(k, example["x"], example.get("mask"), mode=mode)
+  # Parameters to start from leave only the shapes to initialise: a published checkpoint's
+  # model is neither compiled nor drawn a second time at random (unless it keeps batch
+  # statistics, whose initial values it needs).
+  variables = None if params is None else jax.eval_shape(init, key)
+  if variables is None or variables.get("batch_stats"):
+    variables = jax.jit(init)(key)
   state = TrainState.create(
       apply_fn=functools.partial(model.apply, mode=mode),
       params=variables["params"] if params is None else jax.tree.map(jnp.asarray, params),
