@@ -273,3 +273,29 @@ def test_a_layer_with_impl_pallas_runs_the_kernels_to_the_xla_forms_outputs_and_
   for got, want in zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"]),
                        strict=True):
     _assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["per-head", "per-key"])
+@pytest.mark.parametrize("function", ["linear", "delta"])
+def test_grouped_heads_equal_their_repeated_heads_by_either_implementation(function, per_key):
+  """q and k with H / G heads, value head h reading head h // G (Mamba-2's groups, Qwen3-Next's
+  value heads): the same outputs, state and gradients as q and k repeated G times, the
+  gradients of q and k summed over each group."""
+  groups, heads = 3, 2
+  x = _inputs({("linear", False): "ssd-written", ("linear", True): "gla",
+               ("delta", False): "gated-deltanet", ("delta", True): "kda"}[function, per_key],
+              40, heads=heads * groups)
+  x["q"], x["k"] = x["q"][:, :, :heads], x["k"][:, :, :heads]
+  names, values = _split(x)
+  cotangents = _cotangents(x)
+  repeat = lambda a: np.repeat(a, groups, axis=2)
+  want = _vjp("xla", function, names)(
+      tuple(repeat(v) if n in ("q", "k") else v for n, v in zip(names, values, strict=True)),
+      x["reset"], cotangents)
+  # The gradient of a shared head is the sum over the heads that read it.
+  want = (*want[:2], tuple(g.reshape((*g.shape[:2], heads, groups, -1)).sum(axis=3)
+                           if n in ("q", "k") else g for n, g in zip(names, want[2], strict=True)))
+  for impl in ("xla", "pallas"):
+    got = _vjp(impl, function, names)(values, x["reset"], cotangents)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      _assert_close(a, b, 1e-5)

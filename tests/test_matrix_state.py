@@ -667,6 +667,9 @@ def _valid(**overrides):
 ERRORS = [
     (dict(k=jnp.ones((2, 5, 3, 5))), ValueError, "`k` must have the shape of `q`"),
     (dict(v=jnp.ones((2, 4, 3, 6))), ValueError, "`v` must be"),
+    # grouped heads: v's 4 heads are not groups of q's 3 (and the generalized delta rule takes
+    # no groups)
+    (dict(v=jnp.ones((2, 5, 4, 6))), ValueError, "`v` must be"),
     (dict(q=jnp.ones((5, 4)), k=jnp.ones((5, 4)), v=jnp.ones((5, 4))), ValueError, "`q` must be"),
     (dict(q=jnp.ones((2, 5, 3, 4), jnp.int32)), TypeError, "`q` must have a real floating"),
     (dict(log_decay=jnp.zeros((2, 5))), ValueError, "`log_decay` must be"),

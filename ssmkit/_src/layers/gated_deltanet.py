@@ -57,8 +57,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype,
                                                 axis_name)
   # Each group of num_v_heads / num_heads value heads reads one query and key head, normalised
-  # once and then repeated.
-  q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
+  # once (`delta_rule`'s grouped heads).
+  q, k = (delta_heads.unit(delta_heads.by_head(m, heads)) for m in (q, k))
   beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   g = delta_heads.head_decay(params, x)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta, g,

@@ -76,7 +76,7 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
   dtype = common.computation_dtype(x.dtype)
   (q, k, v), window = delta_heads.convolved(params, x, ("q", "k", "v"), state.conv, reset, dtype,
                                                 axis_name)
-  q, k = (delta_heads.unit_heads(delta_heads.by_head(m, heads), heads, v_heads) for m in (q, k))
+  q, k = (delta_heads.unit(delta_heads.by_head(m, heads)) for m in (q, k))
   beta = delta_heads.write_strength(params, x, dtype, cfg.allow_neg_eigval)
   o, s = delta_rule(q * k_dim**-0.5, k, delta_heads.by_head(v, v_heads), beta,
                     log_decay(cfg, params, x), initial_state=state.recurrent, reset=reset,

@@ -98,9 +98,8 @@ def sequence(cfg: Any, params: dict[str, Array], x: Array, reset: Array | None, 
                            reset, axis_name)
   u, b, c = jnp.split(jax.nn.silu(xbc), [inner, inner + bc // 2], axis=-1)
   u = u.reshape(*u.shape[:-1], heads, cfg.head_dim)
-  # The heads of a group share its B and C.
-  groups = lambda m: jnp.repeat(m.reshape(*m.shape[:-1], cfg.n_groups, cfg.d_state),
-                                heads // cfg.n_groups, axis=-2)
+  # The heads of a group share its B and C (`linear_attention`'s grouped heads).
+  groups = lambda m: m.reshape(*m.shape[:-1], cfg.n_groups, cfg.d_state)
   dt = jnp.clip(jax.nn.softplus(dt + common.leading_ones(params["dt_bias"], dt.ndim)), *cfg.dt_limit)
   a = -common.leading_ones(jnp.exp(params["A_log"]), dt.ndim)
   y, ssm = linear_attention(groups(c), groups(b), u * dt[..., None], dt * a,

@@ -14,7 +14,7 @@ from jax import lax
 from ssmkit._src import checks, state_pass
 from ssmkit._src.engine import axis_position, vary_alike
 from ssmkit._src.matrix_state import chunks, low_rank, triangular
-from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, finish
+from ssmkit._src.matrix_state.inputs import FLOATS, Inputs, expanded, finish
 from ssmkit._src.modes import Impl, Mode, parse_mode, resolve_impl, resolve_matrix_mode
 
 Array = jax.Array
@@ -263,16 +263,17 @@ def evaluate_by(impl: Impl, x: Inputs, kernels: Kernels, xla: Callable[[Inputs, 
                 chunk_size: int | None, axis_name: Hashable | None, precision,
                 return_final_state: bool):
   """The recurrence by the Pallas `kernels` where `impl` asks for them and they take the call,
-  else by `xla(x, return_final_state)`, the XLA form (`evaluate` with the caller's options).
+  else by `xla(x, return_final_state)`, the XLA form (`evaluate` with the caller's options),
+  which sees each query and key head repeated for its group of value heads.
 
   The XLA form takes `axis_name`, empty sequences and float64 inputs, and inside the kernels'
   call the inputs or cotangents with a non-finite entry (`kernels.routed`).
   """
   if (resolve_impl(impl) is Impl.XLA or axis_name is not None or x.q.shape[1] == 0
       or x.q.dtype == jnp.float64):
-    return xla(x, return_final_state)
+    return xla(expanded(x), return_final_state)
   # The XLA form in the kernels' layout and dtype: (Z, T, H, V) outputs and the final state.
-  fallback = lambda y: xla(y._replace(batch=y.q.shape[:1], dtype=y.q.dtype), True)
+  fallback = lambda y: xla(expanded(y._replace(batch=y.q.shape[:1], dtype=y.q.dtype)), True)
   out, last = kernels(x, chunk_size, precision, fallback)
   return finish(x, out, last, return_final_state)
 

@@ -149,8 +149,10 @@ def delta_rule(
   recompute the rest. bfloat16/float16 inputs accumulate in float32.
 
   Args:
-    q: `(..., T, H, K)` queries, real floating.
-    k: `(..., T, H, K)` keys.
+    q: `(..., T, H, K)` queries, real floating; or `(..., T, H / G, K)` with G value heads
+      per head of q and k (grouped heads, as Mamba-2's groups of B and C or Qwen3-Next's
+      value heads): value head h reads query and key head h // G.
+    k: `(..., T, H, K)` keys, or `(..., T, H / G, K)` as `q`.
     v: `(..., T, H, V)` values.
     beta: `(..., T, H)` write strengths (usually in (0, 1)).
     log_decay: None, `(..., T, H)` or `(..., T, H, K)`: log of the decay, <= 0 and finite;
@@ -198,7 +200,7 @@ def delta_rule(
   mode = common.check_options(mode, chunk_size, axis_name)
   impl = parse_impl(impl)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, check_log_decay=check_log_decay)
+              reset=reset, check_log_decay=check_log_decay, grouped=True)
   by_xla = lambda x, return_final_state: evaluate(
       x, mode=mode, chunk_size=chunk_size, axis_name=axis_name, precision=precision,
       return_final_state=return_final_state)

@@ -34,6 +34,8 @@ class Inputs(NamedTuple):
     reset: None or `(Z, T)` booleans; True clears the state before that step.
     batch: the flattened batch shape.
     dtype: the dtype of the outputs (`output_and_state_dtypes`).
+    groups: G, heads of v per head of q and k: q and k hold H / G heads, value head h
+      reading query and key head h // G (`expanded` repeats them).
   """
 
   q: Array
@@ -47,6 +49,15 @@ class Inputs(NamedTuple):
   reset: Array | None
   batch: tuple[int, ...]
   dtype: jnp.dtype
+  groups: int = 1
+
+
+def expanded(x: Inputs) -> Inputs:
+  """`x` with each head of q and k repeated for its group of value heads (`groups` 1)."""
+  if x.groups == 1:
+    return x
+  repeat = lambda a: jnp.repeat(a, x.groups, axis=2)
+  return x._replace(q=repeat(x.q), k=repeat(x.k), groups=1)
 
 
 # The floating arrays of `Inputs`, every one the recurrence is differentiable in.
@@ -65,6 +76,7 @@ def prepare(
     check_log_decay: bool,
     a=None,
     b=None,
+    grouped: bool = False,
 ) -> Inputs:
   """Checks shapes and dtypes, flattens the batch axes and casts to the accumulation dtype.
 
@@ -73,6 +85,8 @@ def prepare(
       None but for the generalized delta rule).
     check_log_decay: whether to refuse a positive or non-finite `log_decay` known at trace
       time.
+    grouped: q and k may hold fewer heads than v, a divisor of its heads (`Inputs.groups`);
+      the per-step arguments and the state then follow v's heads.
 
   Raises:
     TypeError: for integer or complex inputs, or non-boolean `reset`.
@@ -83,20 +97,28 @@ def prepare(
     raise ValueError(f"`q` must be `(..., T, H, K)`, got shape {q.shape}.")
   if k.shape != q.shape:
     raise ValueError(f"`k` must have the shape of `q` {q.shape} (..., T, H, K), got {k.shape}.")
-  if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1]:
+  if grouped and v.ndim == q.ndim and v.shape[:-2] == q.shape[:-2] and (
+      v.shape[-2] % q.shape[-2] == 0):
+    groups = v.shape[-2] // q.shape[-2]
+  elif v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1]:
+    grouping = " (or a multiple of its heads)" if grouped else ""
     raise ValueError(
-        f"`v` must be `(..., T, H, V)` with the leading shape {q.shape[:-1]} of `q`, got "
-        f"{v.shape}."
+        f"`v` must be `(..., T, H, V)` with the leading shape {q.shape[:-1]} of `q`{grouping}, "
+        f"got {v.shape}."
     )
-  *batch, length, heads, dim_k = q.shape
+  else:
+    groups = 1
+  *batch, length, _, dim_k = q.shape
+  heads = v.shape[-2]
   batch = tuple(batch)
-  step_shape = q.shape[:-1]
+  step_shape = v.shape[:-1]
+  key_shape = (*step_shape, dim_k)
   dtypes = [q.dtype, k.dtype, v.dtype]
   if log_decay is not None:
     log_decay = checks.real_floating(log_decay, "log_decay")
-    if log_decay.shape not in (step_shape, q.shape):
+    if log_decay.shape not in (step_shape, key_shape):
       raise ValueError(f"`log_decay` must be (..., T, H) or (..., T, H, K): {step_shape} or "
-                       f"{q.shape}, got {log_decay.shape}.")
+                       f"{key_shape}, got {log_decay.shape}.")
     if check_log_decay:
       checks.check_log_decay(log_decay)
     dtypes.append(log_decay.dtype)
@@ -139,6 +161,7 @@ def prepare(
       reset=None if reset is None else reset.reshape((z, length)),
       batch=batch,
       dtype=dtype,
+      groups=groups,
   )
 
 

@@ -140,8 +140,10 @@ def linear_attention(
   recompute the rest, so memory does not hold T states. bfloat16/float16 inputs accumulate in float32.
 
   Args:
-    q: `(..., T, H, K)` queries, real floating.
-    k: `(..., T, H, K)` keys.
+    q: `(..., T, H, K)` queries, real floating; or `(..., T, H / G, K)` with G value heads
+      per head of q and k (grouped heads, as Mamba-2's groups of B and C or Qwen3-Next's
+      value heads): value head h reads query and key head h // G.
+    k: `(..., T, H, K)` keys, or `(..., T, H / G, K)` as `q`.
     v: `(..., T, H, V)` values.
     log_decay: None, `(..., T, H)` or `(..., T, H, K)`: log of the decay, <= 0 and finite
       (checked where the values are known at trace time).
@@ -210,7 +212,7 @@ def linear_attention(
   mode = common.check_options(mode, chunk_size, axis_name)
   impl = parse_impl(impl)
   x = prepare(q, k, v, log_decay=log_decay, beta=beta, initial_state=initial_state,
-              reset=reset, check_log_decay=check_log_decay)
+              reset=reset, check_log_decay=check_log_decay, grouped=True)
 
   def by_xla(x: Inputs, return_final_state: bool):
     return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,

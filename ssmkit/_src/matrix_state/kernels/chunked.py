@@ -38,13 +38,22 @@ DEFAULT_CHUNK = 64
 _TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=1)
 
 
-def _spec(a: Array) -> pl.BlockSpec:
-  """A whole sequence of one (batch row, head): `(Z, T, H, ...)` arrays, or `(Z, T)` ones
-  shared by the heads."""
+# The inputs with one head per group of `groups` heads (of v, of the state and of the grid).
+SHARED = ("q", "k")
+
+
+def _spec(a: Array, groups: int = 1) -> pl.BlockSpec:
+  """A whole sequence of one (batch row, head): `(Z, T, H, ...)` arrays (head h // `groups` of
+  an array of H / groups heads), or `(Z, T)` ones shared by the heads."""
   if a.ndim == 2:
     return pl.BlockSpec((None, a.shape[1]), lambda z, h: (z, 0))
   rest = a.shape[3:]
-  return pl.BlockSpec((None, a.shape[1], None, *rest), lambda z, h: (z, 0, h, *(0,) * len(rest)))
+  return pl.BlockSpec((None, a.shape[1], None, *rest),
+                      lambda z, h: (z, 0, h // groups, *(0,) * len(rest)))
+
+
+def _in_specs(names: tuple[str, ...], arrays: tuple[Array, ...], groups: int) -> list:
+  return [_spec(a, groups if name in SHARED else 1) for name, a in zip(names, arrays, strict=True)]
 
 
 def _state_spec(state: Array) -> pl.BlockSpec:
@@ -56,8 +65,10 @@ def _load(refs: dict, start, size: int) -> dict[str, Array]:
 
 
 def _forward_call(step: ChunkForward, names: tuple[str, ...], arrays: tuple[Array, ...],
-                  state: Array, dim_v: int, size: int, interpret: bool) -> tuple[Array, Array]:
-  z, length, heads = arrays[0].shape[:3]
+                  state: Array, dim_v: int, size: int, groups: int,
+                  interpret: bool) -> tuple[Array, Array]:
+  z, length = arrays[0].shape[:2]
+  heads = state.shape[1]
 
   def kernel(*refs):
     inputs = dict(zip(names, refs[:len(names)], strict=True))
@@ -74,7 +85,8 @@ def _forward_call(step: ChunkForward, names: tuple[str, ...], arrays: tuple[Arra
   out_spec = pl.BlockSpec((None, length, None, dim_v), lambda z, h: (z, 0, h, 0))
   return pl.pallas_call(
       kernel, grid=(z, heads), interpret=interpret, compiler_params=_TRITON,
-      in_specs=[*map(_spec, arrays), _state_spec(state)], out_specs=[out_spec, _state_spec(state)],
+      in_specs=[*_in_specs(names, arrays, groups), _state_spec(state)],
+      out_specs=[out_spec, _state_spec(state)],
       out_shape=[jax.ShapeDtypeStruct((z, length, heads, dim_v), F32),
                  jax.ShapeDtypeStruct(state.shape, F32)],
   )(*arrays, state)
@@ -82,8 +94,11 @@ def _forward_call(step: ChunkForward, names: tuple[str, ...], arrays: tuple[Arra
 
 def _backward_call(step: ChunkForward, step_back: ChunkBackward, names: tuple[str, ...],
                    arrays: tuple[Array, ...], state: Array, d_out: Array, d_state: Array,
-                   size: int, interpret: bool) -> tuple[tuple[Array, ...], Array]:
-  z, length, heads = arrays[0].shape[:3]
+                   size: int, groups: int, interpret: bool) -> tuple[tuple[Array, ...], Array]:
+  """The cotangents of the arrays, those of `SHARED` ones per head of the state (to be summed
+  over each group), and of the state."""
+  z, length = arrays[0].shape[:2]
+  heads = state.shape[1]
   n = length // size
   differentiated = tuple(name for name in names if name != "reset")
 
@@ -111,13 +126,16 @@ def _backward_call(step: ChunkForward, step_back: ChunkBackward, names: tuple[st
 
     ds0_ref[...] = lax.fori_loop(0, n, backward, dsn_ref[...].astype(F32))
 
-  by_name = dict(zip(names, arrays, strict=True))
+  by_name = {name: jax.ShapeDtypeStruct((z, length, heads, *a.shape[3:]) if name in SHARED
+                                         else a.shape, F32)
+             for name, a in zip(names, arrays, strict=True)}
   kept = pl.BlockSpec((None, None, n, *state.shape[2:]), lambda z, h: (z, h, 0, 0, 0))
   *grads, d_state0, _ = pl.pallas_call(
       kernel, grid=(z, heads), interpret=interpret, compiler_params=_TRITON,
-      in_specs=[*map(_spec, arrays), _state_spec(state), _spec(d_out), _state_spec(state)],
+      in_specs=[*_in_specs(names, arrays, groups), _state_spec(state), _spec(d_out),
+                _state_spec(state)],
       out_specs=[*(_spec(by_name[name]) for name in differentiated), _state_spec(state), kept],
-      out_shape=[*(jax.ShapeDtypeStruct(by_name[name].shape, F32) for name in differentiated),
+      out_shape=[*(by_name[name] for name in differentiated),
                  jax.ShapeDtypeStruct(state.shape, F32),
                  jax.ShapeDtypeStruct((z, heads, n, *state.shape[2:]), F32)],
   )(*arrays, state, d_out, d_state)
@@ -145,8 +163,9 @@ def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], 
   Args:
     step, step_back: the recurrence's chunk functions (module docstring).
     arrays: its inputs by name, `(Z, T, H[, D])` float32, "reset" `(Z, T)` float32 and "v"
-      among them; padded here with zeros to whole chunks (zero steps must leave the state as
-      it is) and channels to powers of two (`_width`).
+      among them, those of `SHARED` with H / G heads (value head h reads head h // G); padded
+      here with zeros to whole chunks (zero steps must leave the state as it is) and channels
+      to powers of two (`_width`).
     state: `(Z, H, K, V)` the state before the first step.
     size: steps per chunk.
     fallback: the XLA form, `fallback(*arrays.values(), state) -> (outputs, final state)`,
@@ -154,6 +173,7 @@ def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], 
   """
   names = tuple(arrays)
   length = arrays["v"].shape[1]
+  groups = state.shape[1] // arrays["q"].shape[2]
   interpret = interpreted()
   extra = -length % size
 
@@ -175,16 +195,24 @@ def run(step: ChunkForward, step_back: ChunkBackward, arrays: dict[str, Array], 
   def by_kernel(*values):
     *inputs, s0 = values
     out, last = _forward_call(step, names, tuple(map(pad, inputs)), pad_state(s0),
-                              _width(arrays["v"].shape[3]), size, interpret)
+                              _width(arrays["v"].shape[3]), size, groups, interpret)
     return cut(out, arrays["v"]), cut_state(last)
 
   def by_kernel_backward(*values):
     *inputs, s0, d_out, d_state = values
     grads, d_s0 = _backward_call(step, step_back, names, tuple(map(pad, inputs)), pad_state(s0),
-                                 pad(d_out), pad_state(d_state), size, interpret)
+                                 pad(d_out), pad_state(d_state), size, groups, interpret)
     grads = iter(grads)
-    return (*(jnp.zeros_like(a) if name == "reset" else cut(next(grads), a)
-              for name, a in arrays.items()), cut_state(d_s0))
+
+    def gradient(name: str, a: Array) -> Array:
+      if name == "reset":
+        return jnp.zeros_like(a)
+      g = cut(next(grads), a)
+      if name in SHARED:  # summed over the group of heads that read it
+        g = g.reshape((*a.shape[:3], groups, a.shape[3])).sum(axis=3)
+      return g
+
+    return (*(gradient(name, a) for name, a in arrays.items()), cut_state(d_s0))
 
   return routed.routed(by_kernel, by_kernel_backward, fallback, *arrays.values(), state)
 

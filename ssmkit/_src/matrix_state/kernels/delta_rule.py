@@ -85,7 +85,7 @@ def run(x: Inputs, chunk_size: int | None, precision,
   """The delta rule of `x` (float32 accumulation, T > 0) by the kernels: `(Z, T, H, V)` outputs
   and the `(Z, H, K, V)` final state; `fallback` is the XLA form, for inputs (or cotangents)
   with a non-finite entry (`routed`)."""
-  g = jnp.zeros(x.q.shape[:3], x.q.dtype) if x.log_decay is None else x.log_decay
+  g = jnp.zeros(x.v.shape[:3], x.v.dtype) if x.log_decay is None else x.log_decay
   reset = jnp.zeros(x.q.shape[:2], x.q.dtype) if x.reset is None else x.reset.astype(x.q.dtype)
 
   def by_xla(q, k, v, beta, g, reset, state):

@@ -69,8 +69,10 @@ def run(x: Inputs, chunk_size: int | None, precision,
   """Linear attention of `x` (float32 accumulation, T > 0) by the kernels: `(Z, T, H, V)` outputs
   and the `(Z, H, K, V)` final state; `fallback` is the XLA form, for inputs (or cotangents)
   with a non-finite entry (`routed`)."""
-  k = x.k if x.beta is None else x.k * x.beta[..., None]
-  g = jnp.zeros(x.q.shape[:3], x.q.dtype) if x.log_decay is None else x.log_decay
+  # beta_t k_t^T v_t = k_t^T (beta_t v_t): the write strengths scale the values, which have one
+  # head per head of the state where the keys may serve a group of them.
+  v = x.v if x.beta is None else x.v * x.beta[..., None]
+  g = jnp.zeros(x.v.shape[:3], x.v.dtype) if x.log_decay is None else x.log_decay
   reset = jnp.zeros(x.q.shape[:2], x.q.dtype) if x.reset is None else x.reset.astype(x.q.dtype)
 
   def by_xla(q, k, v, g, reset, state):
@@ -79,5 +81,5 @@ def run(x: Inputs, chunk_size: int | None, precision,
 
   step = lambda *a: _forward(*a, precision)
   step_back = lambda *a: _backward(*a, precision)
-  return chunked.run(step, step_back, dict(q=x.q, k=k, v=x.v, g=g, reset=reset), x.state,
+  return chunked.run(step, step_back, dict(q=x.q, k=x.k, v=v, g=g, reset=reset), x.state,
                      chunked.chunk_size(x.q.shape[1], chunk_size), by_xla)
