@@ -59,13 +59,19 @@ class Inner(enum.Enum):
   CUMSUM = "cumsum"
 
 
+def _parse(kind: type[enum.Enum], value, name: str):
+  """`value` as a member of `kind`, or a `ValueError` naming the argument `name` and the
+  members."""
+  try:
+    return kind(value)
+  except ValueError:
+    names = ", ".join(repr(m.value) for m in kind)
+    raise ValueError(f"`{name}` must be one of {names}, got {value!r}.") from None
+
+
 def parse_mode(mode: str | Mode) -> Mode:
   """Validates a user-given mode once, at the public boundary."""
-  try:
-    return Mode(mode)
-  except ValueError:
-    names = ", ".join(repr(m.value) for m in Mode)
-    raise ValueError(f"`mode` must be one of {names}, got {mode!r}.") from None
+  return _parse(Mode, mode, "mode")
 
 
 class Impl(str, enum.Enum):
@@ -80,11 +86,7 @@ class Impl(str, enum.Enum):
 
 def parse_impl(impl: str | Impl) -> Impl:
   """Validates a user-given `impl` once, at the public boundary."""
-  try:
-    return Impl(impl)
-  except ValueError:
-    names = ", ".join(repr(i.value) for i in Impl)
-    raise ValueError(f"`impl` must be one of {names}, got {impl!r}.") from None
+  return _parse(Impl, impl, "impl")
 
 
 def resolve_impl(impl: Impl) -> Impl:
