@@ -138,7 +138,9 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
 
 
 @functools.cache
-def _partial(func: Any, args: tuple, keywords: tuple) -> functools.partial:
+def _partial(func: Any, args: tuple, keywords: tuple, types: tuple) -> functools.partial:
+  """One partial per function, arguments and their types (1 == 1.0 == True as keys)."""
+  del types
   return functools.partial(func, *args, **dict(keywords))
 
 
@@ -159,7 +161,8 @@ def _canonical(x: Any) -> Any:
   args = tuple(map(_canonical, x.args))
   keywords = tuple(sorted((key, _canonical(value)) for key, value in x.keywords.items()))
   try:
-    return _partial(_canonical(x.func), args, keywords)
+    return _partial(_canonical(x.func), args, keywords,
+                    tuple(type(a) for a in (*args, *dict(keywords).values())))
   except TypeError:
     return functools.partial(x.func, *args, **dict(keywords))
 
