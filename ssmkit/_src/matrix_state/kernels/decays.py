@@ -101,7 +101,7 @@ class HeadDecay(_Chunk):
 class _KeyBlock:
   """Block i of a chunk with one decay per key channel: the selection `pick` `(c, C)` of its
   rows, their factors against the steps before it (`x_scale` `(c, K)`, `y_scale` `(C, K)`)
-  and its own pairs' decays (`inside` `(c, c, K)`, and without s = t `inside_strict`)."""
+  and its own pairs' decays (`inside`: `(c, c, K)` for s <= t, and for s < t)."""
 
   def __init__(self, chunk: _Chunk, reset: Array, i: int, sub: int):
     size, start = chunk.size, i * sub
