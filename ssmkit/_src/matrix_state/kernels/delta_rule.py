@@ -65,9 +65,8 @@ def _backward(x: dict[str, Array], state: Array, d_out: Array, d_leaving: Array,
   dec = decays.of(x["g"], x["reset"])
   w = _Writes(dec, x, state, precision)
   k = x["k"]
-  _, leaving = read_write(dec, x["q"], k, w.u, state, precision)
-  dq, dk, du, db, d_state = read_write_backward(dec, x["q"], k, w.u, state, leaving, d_out,
-                                                d_leaving, precision)
+  dq, dk, du, db, d_state = read_write_backward(dec, x["q"], k, w.u, state, d_out, d_leaving,
+                                                precision)
   d_rhs = dot_tn(w.inverse, du, precision)
   dv = w.beta * d_rhs
   d_lower = -dot_nt(d_rhs, w.u, precision)

@@ -30,14 +30,19 @@ Array = jax.Array
 Decays = decays.HeadDecay | decays.KeyDecay
 
 
+def leaving(dec: Decays, k: Array, v: Array, state: Array, precision) -> Array:
+  """The `(K, V)` state leaving a chunk."""
+  return dec.through * state + dot_tn(k * dec.to_end, v, precision)
+
+
 def read_write(dec: Decays, q: Array, k: Array, v: Array, state: Array,
                precision) -> tuple[Array, Array]:
   """One chunk's outputs and leaving state, `(C, V)` and `(K, V)`."""
   out = dot(dec.scores(q, k, precision), v, precision) + dot(q * dec.entering, state, precision)
-  return out, dec.through * state + dot_tn(k * dec.to_end, v, precision)
+  return out, leaving(dec, k, v, state, precision)
 
 
-def read_write_backward(dec: Decays, q: Array, k: Array, v: Array, state: Array, leaving: Array,
+def read_write_backward(dec: Decays, q: Array, k: Array, v: Array, state: Array,
                         d_out: Array, d_leaving: Array, precision):
   """`read_write`'s cotangents: `(dq, dk, dv, db, dS)`, db `(C, K)` that of the cumulative
   decays (per key channel even where one decay per head sums it)."""
@@ -48,7 +53,8 @@ def read_write_backward(dec: Decays, q: Array, k: Array, v: Array, state: Array,
                                                                    precision)
   d_state = dec.through * d_leaving + dot_tn(q * dec.entering, d_out, precision)
   at_end = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) == q.shape[0] - 1
-  db = q * dq - k * dk + jnp.where(at_end, jnp.sum(d_leaving * leaving, axis=1)[None, :], 0.0)
+  after = leaving(dec, k, v, state, precision)
+  db = q * dq - k * dk + jnp.where(at_end, jnp.sum(d_leaving * after, axis=1)[None, :], 0.0)
   return dq, dk, dv, db, d_state
 
 
@@ -58,9 +64,8 @@ def _forward(x: dict[str, Array], state: Array, precision) -> tuple[Array, Array
 
 def _backward(x: dict[str, Array], state: Array, d_out: Array, d_leaving: Array, precision):
   dec = decays.of(x["g"], x["reset"])
-  _, leaving = read_write(dec, x["q"], x["k"], x["v"], state, precision)
-  dq, dk, dv, db, d_state = read_write_backward(dec, x["q"], x["k"], x["v"], state, leaving,
-                                                d_out, d_leaving, precision)
+  dq, dk, dv, db, d_state = read_write_backward(dec, x["q"], x["k"], x["v"], state, d_out,
+                                                d_leaving, precision)
   return dict(q=dq, k=dk, v=dv, g=dec.decay_gradient(db)), d_state
 
 
