@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from ssmkit._src.matrix_state.inputs import Inputs
 from ssmkit._src.matrix_state.kernels import routed
 
 Array = jax.Array
@@ -140,6 +141,20 @@ def _backward_call(step: ChunkForward, step_back: ChunkBackward, names: tuple[st
                  jax.ShapeDtypeStruct((z, heads, n, *state.shape[2:]), F32)],
   )(*arrays, state, d_out, d_state)
   return tuple(grads), d_state0
+
+
+def decays_and_resets(x: Inputs) -> tuple[Array, Array]:
+  """`x`'s log-decays (zeros, one per head, where it has none) and its resets as float flags
+  (zeros where it has none), as the kernels take them."""
+  g = jnp.zeros(x.v.shape[:3], x.v.dtype) if x.log_decay is None else x.log_decay
+  reset = jnp.zeros(x.q.shape[:2], x.q.dtype) if x.reset is None else x.reset.astype(x.q.dtype)
+  return g, reset
+
+
+def inputs(x: Inputs, reset: Array, **arrays: Array | None) -> Inputs:
+  """`x` with the kernels' arrays back in its fields, the float flags `reset` as booleans (None
+  where `x` had none): what the XLA form takes."""
+  return x._replace(**arrays, reset=None if x.reset is None else reset > 0.5)
 
 
 def interpreted() -> bool:

@@ -84,12 +84,10 @@ def run(x: Inputs, chunk_size: int | None, precision,
   """The delta rule of `x` (float32 accumulation, T > 0) by the kernels: `(Z, T, H, V)` outputs
   and the `(Z, H, K, V)` final state; `fallback` is the XLA form, for inputs (or cotangents)
   with a non-finite entry (`routed`)."""
-  g = jnp.zeros(x.v.shape[:3], x.v.dtype) if x.log_decay is None else x.log_decay
-  reset = jnp.zeros(x.q.shape[:2], x.q.dtype) if x.reset is None else x.reset.astype(x.q.dtype)
+  g, reset = chunked.decays_and_resets(x)
 
   def by_xla(q, k, v, beta, g, reset, state):
-    return fallback(x._replace(q=q, k=k, v=v, beta=beta, log_decay=g, state=state,
-                               reset=None if x.reset is None else reset > 0.5))
+    return fallback(chunked.inputs(x, reset, q=q, k=k, v=v, beta=beta, log_decay=g, state=state))
 
   step = lambda *a: _forward(*a, precision)
   step_back = lambda *a: _backward(*a, precision)

@@ -77,12 +77,10 @@ def run(x: Inputs, chunk_size: int | None, precision,
   # beta_t k_t^T v_t = k_t^T (beta_t v_t): the write strengths scale the values, which have one
   # head per head of the state where the keys may serve a group of them.
   v = x.v if x.beta is None else x.v * x.beta[..., None]
-  g = jnp.zeros(x.v.shape[:3], x.v.dtype) if x.log_decay is None else x.log_decay
-  reset = jnp.zeros(x.q.shape[:2], x.q.dtype) if x.reset is None else x.reset.astype(x.q.dtype)
+  g, reset = chunked.decays_and_resets(x)
 
   def by_xla(q, k, v, g, reset, state):
-    return fallback(x._replace(q=q, k=k, v=v, log_decay=g, beta=None, state=state,
-                               reset=None if x.reset is None else reset > 0.5))
+    return fallback(chunked.inputs(x, reset, q=q, k=k, v=v, log_decay=g, beta=None, state=state))
 
   step = lambda *a: _forward(*a, precision)
   step_back = lambda *a: _backward(*a, precision)
