@@ -11,9 +11,7 @@ import jax.numpy as jnp
 from ssmkit._src.matrix_state.kernels import chunked
 from ssmkit.scan import delta_rule, linear_attention
 
-# What runs interpreted on this machine, compiled: channels (24, 40) and a chunk (48) that
-# are not powers of two, bfloat16 inputs.
-chunked.interpreted = lambda: False
+# Channels (24, 40) and a chunk (48) that are not powers of two, bfloat16 inputs.
 Q = jax.ShapeDtypeStruct((2, 100, 2, 24), jnp.bfloat16)
 V = jax.ShapeDtypeStruct((2, 100, 2, 40), jnp.bfloat16)
 TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -31,6 +29,8 @@ def program(function: str, per_key: bool):
 
 
 if __name__ == "__main__":
+  # Only when run: pytest's --doctest-modules imports this file into the test workers too.
+  chunked.interpreted = lambda: False  # what runs interpreted on this machine, compiled
   for function in ("linear", "delta"):
     for per_key in (False, True):
       f = program(function, per_key)
