@@ -107,7 +107,7 @@ class GatedDeltaNet(functional.LinenLayer):
     allow_neg_eigval: beta in (0, 2) rather than (0, 1), so a step's transition may reflect
       (a negative eigenvalue; Grazzi et al. 2025, OLMo Hybrid's `linear_allow_neg_eigval`).
     d_conv: width of the causal convolutions.
-    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    chunk_size: steps per chunk of the chunkwise algorithm; default `delta_rule`'s.
     impl: what computes the recurrence: "auto", "xla" or "pallas", the Pallas kernels
       (`ssmkit.scan.delta_rule`'s `impl`; "auto" runs the XLA form everywhere today).
     param_dtype: dtype of the parameters.

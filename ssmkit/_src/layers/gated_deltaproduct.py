@@ -109,7 +109,7 @@ class GatedDeltaProduct(functional.LinenLayer):
     allow_neg_eigval: beta in (0, 2) (the reference's default) rather than (0, 1).
     norm_eps: the epsilon of the output's per-head RMSNorm.
     d_conv: width of the causal convolutions.
-    chunk_size: delta-rule steps per chunk of the chunkwise algorithm; default 64.
+    chunk_size: delta-rule steps per chunk of the chunkwise algorithm; default `delta_rule`'s.
     param_dtype: dtype of the parameters.
 
   References:

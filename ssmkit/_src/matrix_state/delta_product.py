@@ -109,8 +109,8 @@ def delta_product(
     initial_state: `(..., H, K, V)` state before the first token; default zeros.
     reset: `(..., T)` booleans; True clears the state before that token.
     mode: as in `delta_rule`.
-    chunk_size: delta-rule steps per chunk (n per token); default 64 (32 with one
-      decay per key channel), at most T * n.
+    chunk_size: delta-rule steps per chunk (n per token); default as `delta_rule`'s, at
+      most T * n.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `delta_rule`, tokens split over the devices.
     precision: precision of the matrix products (`jax.lax.Precision`).
