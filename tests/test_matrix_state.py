@@ -543,14 +543,15 @@ def test_a_decoding_step_runs_no_chunk_machinery(kind, backend, monkeypatch):
 @pytest.mark.parametrize("kind, rows, length, values", [
     (KINDS[2], 32, 64, "chunked"), (KINDS[2], 16, 4096, "steps"), (KINDS[5], 2, 1 << 14, "chunked"),
     (KINDS[5], 2, 1 << 13, "steps"), (KINDS[7], 2, 1 << 13, "chunked"),
-    (KINDS[7], 2, 1 << 12, "steps")],
+    (KINDS[7], 2, 1 << 12, "steps"), (KINDS[4], 16, 64, "chunked"), (KINDS[4], 8, 1 << 11, "steps")],
     ids=["gla-from-32-rows", "gla-below", "kda-from-2^15", "kda-below", "deltaproduct-from-2^15",
-         "deltaproduct-below"])
+         "deltaproduct-below", "gated-deltanet-from-16-rows", "gated-deltanet-below"])
 def test_auto_computes_values_chunked_where_that_is_faster_on_cpu(kind, rows, length, values,
                                                                   monkeypatch):
   """On CPU, "auto" runs the chunked loop alone (values and derivatives) for linear attention
-  from 32 (batch row, head) sequences of 64 steps and for the delta rules from 2^15 (batch row,
-  head, step) triples, the delta product's interleaved steps counted; below, its values come
+  from 32 (batch row, head) sequences of 64 steps and for the delta rules from 16 such sequences
+  or 2^15 (batch row, head, step) triples, the delta product's interleaved steps counted;
+  below, its values come
   from the step loop (traced only, not compiled, with the CPU's rule on any machine)."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
   x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),

@@ -11,7 +11,13 @@ from jax import lax
 from ssmkit._src.matrix_state import chunks, common, low_rank, steps, triangular
 from ssmkit._src.matrix_state.inputs import Inputs, prepare
 from ssmkit._src.matrix_state.kernels import delta_rule as kernels
-from ssmkit._src.modes import DELTA_VALUES_CHUNKED_FROM, Impl, Mode, parse_impl
+from ssmkit._src.modes import (
+    DELTA_VALUES_CHUNKED_FROM,
+    DELTA_VALUES_CHUNKED_ROWS,
+    Impl,
+    Mode,
+    parse_impl,
+)
 
 Array = jax.Array
 
@@ -226,4 +232,4 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
                          return_final_state=return_final_state, default_chunk_size=default,
                          per_key_scores=per_key, chunked_values_from=DELTA_VALUES_CHUNKED_FROM,
-                         read_every=read_every)
+                         chunked_values_rows=DELTA_VALUES_CHUNKED_ROWS, read_every=read_every)
