@@ -337,8 +337,9 @@ def test_block_equals_linen_in_training_and_evaluation(name, norm, activation, p
 def _model(num_outputs=3, **options):
   """A small NNX model with BatchNorm, of 2 input features or of tokens with `vocab_size`."""
   config = dict(layer=SMALL["LRU"][0], features=8, num_blocks=2, norm="batch")
+  rngs = options.pop("rngs", None) or nnx.Rngs(0)
   return snx.SequenceModel(None if options.get("vocab_size") else 2, num_outputs,
-                           **{**config, **options}, rngs=nnx.Rngs(0))
+                           **{**config, **options}, rngs=rngs)
 
 
 def _models(**options):
@@ -417,6 +418,25 @@ def test_dropout_acts_only_in_training():
   model.eval()
   np.testing.assert_array_equal(model(x), model(x))
   _assert_close(model(x), module.apply(snx.to_linen(model)[1], x))
+
+
+def test_from_linen_gives_the_random_streams_of_the_model_built_from_the_same_rngs():
+  """`from_linen` sets every parameter from the variables and draws none itself; its dropout
+  streams, and the `rngs` it is given, are where building the model from those `rngs` leaves
+  them, so training the converted model drops what the built one would."""
+  model, module, variables = _models(dropout_rate=0.5)
+  given, built_from = nnx.Rngs(7, dropout=11), nnx.Rngs(7, dropout=11)
+  converted = snx.from_linen(module, variables, rngs=given)
+  built = _model(dropout_rate=0.5, rngs=built_from)
+  nnx.update(built, nnx.state(model, nnx.Not(nnx.RngState)))
+  key_data = lambda state: jax.tree.map(
+      lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, state)
+  for a, b in ((converted, built), (given, built_from)):
+    jax.tree.map(np.testing.assert_array_equal, key_data(nnx.state(a, nnx.RngState)),
+                 key_data(nnx.state(b, nnx.RngState)))
+  x = _x((3, 11, 2))
+  np.testing.assert_array_equal(converted(x), built(x))  # the same units dropped
+  np.testing.assert_array_equal(converted(x), built(x))
 
 
 def test_model_rejects_bad_configuration():

@@ -82,11 +82,32 @@ def _linen_path(model: Module, path: tuple[Any, ...]) -> tuple[Any, ...]:
   return (*head, path[-1])
 
 
+def _without_parameters(make: Callable[[nnx.Rngs], Module], rngs: nnx.Rngs) -> Module:
+  """`make(rngs)` with its parameters and statistics as shapes only (the caller sets them all),
+  its random streams as `make` leaves them, and `rngs` advanced as `make` advances it.
+
+  Drawing a checkpoint's model at random only to overwrite it took a second copy of its
+  weights in memory and the time of their draws; here the draws are traced once and dropped
+  by XLA, and only the streams' keys are computed.
+  """
+  graph, streams = nnx.split(rngs)
+
+  def keys(streams):
+    rngs = nnx.merge(graph, streams)
+    return nnx.state(make(rngs), nnx.RngState), nnx.state(rngs)
+
+  model = nnx.eval_shape(lambda streams: make(nnx.merge(graph, streams)), streams)
+  model_keys, advanced = jax.jit(keys)(streams)
+  nnx.update(model, model_keys)
+  nnx.update(rngs, advanced)
+  return model
+
+
 def _moved(model: Module) -> list[tuple[tuple[Any, ...], tuple[Any, ...], Array]]:
-  """`(NNX path, linen path with its collection, value)` of every parameter and BatchNorm
-  statistic of `model`."""
+  """`(NNX path, linen path with its collection, value or its shape)` of every parameter and
+  BatchNorm statistic of `model`."""
   state = nnx.state(model, nnx.Any(*_COLLECTIONS))
-  return [(path, (_COLLECTIONS[type(variable)], *_linen_path(model, path)), variable[...])
+  return [(path, (_COLLECTIONS[type(variable)], *_linen_path(model, path)), variable.get_value())
           for path, variable in nnx.to_flat_state(state)]
 
 
@@ -120,6 +141,9 @@ def _pattern_layers(model: SequenceModel) -> list[Layer]:
 def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = None) -> Module:
   """The NNX module of a linen layer, `SSMBlock` or `SequenceModel`, with its parameters.
 
+  The module is built without drawing parameters of its own (their shapes are traced, the
+  draws dropped), so converting a large model holds no second, random copy of its weights.
+
   Args:
     module: a layer of `ssmkit.layers` (or a subclass of one), an `ssmkit.layers.SSMBlock` or an
       `ssmkit.layers.SequenceModel`.
@@ -151,16 +175,18 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
   if isinstance(module, linen_model.SequenceModel):
     in_features = None if module.vocab_size is not None else np.shape(params["encoder"]["kernel"])[0]
     layer = tuple(map(_front_end_factory, linen_model.layer_pattern(module.layer)))
-    model = SequenceModel(in_features, layer=layer[0] if callable(module.layer) else layer,
-                          rngs=rngs, **{name: getattr(module, name) for name in _MODEL_OPTIONS})
+    make = functools.partial(SequenceModel, in_features,
+                             layer=layer[0] if callable(module.layer) else layer,
+                             **{name: getattr(module, name) for name in _MODEL_OPTIONS})
   elif isinstance(module, linen_block.SSMBlock | linen_block.MixerBlock):
     norm = params["norm"][_LINEN_NORM_SCOPES[module.norm]]
     cls = MixerBlock if isinstance(module, linen_block.MixerBlock) else SSMBlock
-    model = cls(np.shape(norm["scale"])[-1], layer=_front_end_factory(module.layer), rngs=rngs,
-                **_block_options(module))
+    make = functools.partial(cls, np.shape(norm["scale"])[-1],
+                             layer=_front_end_factory(module.layer), **_block_options(module))
   else:
     cls = front_end(type(module), "module")
-    model = cls(_layer_width(cls, module, params), rngs=rngs, **_options(module))
+    make = functools.partial(cls, _layer_width(cls, module, params), **_options(module))
+  model = _without_parameters(lambda rngs: make(rngs=rngs), rngs)
   given = traverse_util.flatten_dict({c: variables[c] for c in _COLLECTIONS.values() if c in variables})
   values = {}
   for path, linen_path, value in _moved(model):
