@@ -551,8 +551,8 @@ def test_auto_computes_values_chunked_where_that_is_faster_on_cpu(kind, rows, le
   """On CPU, "auto" runs the chunked loop alone (values and derivatives) for linear attention
   from 32 (batch row, head) sequences of 64 steps and for the delta rules from 16 such sequences
   or 2^15 (batch row, head, step) triples, the delta product's interleaved steps counted;
-  below, its values come
-  from the step loop (traced only, not compiled, with the CPU's rule on any machine)."""
+  below, its values come from the step loop (traced only, not compiled, with the CPU's rule on
+  any machine)."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
   x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
                    _inputs(np.random.default_rng(15), kind, (rows,), length, heads=1, dim_k=2,

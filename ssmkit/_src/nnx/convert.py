@@ -82,8 +82,8 @@ def _linen_path(model: Module, path: tuple[Any, ...]) -> tuple[Any, ...]:
   return (*head, path[-1])
 
 
-def _without_parameters(make: Callable[[nnx.Rngs], Module], rngs: nnx.Rngs) -> Module:
-  """`make(rngs)` with its parameters and statistics as shapes only (the caller sets them all),
+def _without_parameters(make: Callable[..., Module], rngs: nnx.Rngs) -> Module:
+  """`make(rngs=rngs)` with its parameters and statistics as shapes only (the caller sets them all),
   its random streams as `make` leaves them, and `rngs` advanced as `make` advances it.
 
   Drawing a checkpoint's model at random only to overwrite it took a second copy of its
@@ -94,9 +94,9 @@ def _without_parameters(make: Callable[[nnx.Rngs], Module], rngs: nnx.Rngs) -> M
 
   def keys(streams):
     rngs = nnx.merge(graph, streams)
-    return nnx.state(make(rngs), nnx.RngState), nnx.state(rngs)
+    return nnx.state(make(rngs=rngs), nnx.RngState), nnx.state(rngs)
 
-  model = nnx.eval_shape(lambda streams: make(nnx.merge(graph, streams)), streams)
+  model = nnx.eval_shape(lambda streams: make(rngs=nnx.merge(graph, streams)), streams)
   model_keys, advanced = jax.jit(keys)(streams)
   nnx.update(model, model_keys)
   nnx.update(rngs, advanced)
@@ -186,7 +186,7 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
   else:
     cls = front_end(type(module), "module")
     make = functools.partial(cls, _layer_width(cls, module, params), **_options(module))
-  model = _without_parameters(lambda rngs: make(rngs=rngs), rngs)
+  model = _without_parameters(make, rngs)
   given = traverse_util.flatten_dict({c: variables[c] for c in _COLLECTIONS.values() if c in variables})
   values = {}
   for path, linen_path, value in _moved(model):
