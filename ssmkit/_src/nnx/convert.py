@@ -87,8 +87,10 @@ def _without_parameters(make: Callable[..., Module], rngs: nnx.Rngs) -> Module:
   its random streams as `make` leaves them, and `rngs` advanced as `make` advances it.
 
   Drawing a checkpoint's model at random only to overwrite it took a second copy of its
-  weights in memory and the time of their draws; here the draws are traced once and dropped
-  by XLA, and only the streams' keys are computed.
+  weights in memory and the time of their draws; here `make` is traced twice, for its shapes
+  and for its streams' keys (a program from which XLA drops the draws), and nothing else is
+  computed. One trace would do for both, but a module merged from the keys' trace holds
+  variables that flax then refuses to update outside it.
   """
   graph, streams = nnx.split(rngs)
 
