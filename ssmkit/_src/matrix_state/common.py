@@ -197,12 +197,20 @@ _KEEP = jax.checkpoint_policies.save_only_these_names(triangular.INVERSE)
 def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, every: int):
   """Windows of chunks one after another, each rematerialised in the backward pass (but for
   the inverses of its solves); the outputs of every `every`-th step (`chunk_maps` reads
-  them)."""
+  them).
+
+  The windows' outputs leave the loop as its stacked outputs, not written into a carried
+  `(Z, T, H, V)` buffer: the backward pass of such a buffer reads each window's cotangent
+  out of it and zeroes the window in place, which XLA did by copying the whole buffer twice
+  a window. Stacked, the gradients took 51.2 against 60.5 ms (linear attention) and 95.5
+  against 113.7 ms (delta rule), in 8.6 against 21.3 MiB and 12.7 against 25.8 MiB, the
+  forward passes as fast (B=2 T=4096 H=4 K=V=64, CPU, side by side).
+  """
   padded, span, starts = _windows(x, size)
   groups = chunks.head_groups(x.q.shape[0], x.q.shape[2])
 
-  def body(carry, start):
-    s, out = carry
+  @functools.partial(jax.checkpoint, policy=_KEEP)
+  def window(s, start):
     maps, outputs = chunk_maps(chunks.split(padded, size, start, span, groups), precision)
     entering, rows = [], []
     for i in range(span // size):
@@ -212,14 +220,12 @@ def _loop(x: Inputs, chunk_maps: ChunkMaps, size: int, matrix: bool, precision, 
         rows.append(chunk_rows)
       else:
         s = state_pass.apply(state_pass.chunk(maps, i), s, matrix=matrix, precision=precision)
-    window = outputs(jnp.stack(entering, axis=2), jnp.stack(rows, axis=2) if rows else None)
-    window = chunks.merge(window, groups)
-    row = start if every == 1 else start // every
-    return (s, lax.dynamic_update_slice_in_dim(out, window, row, axis=1)), None
+    out = outputs(jnp.stack(entering, axis=2), jnp.stack(rows, axis=2) if rows else None)
+    return s, chunks.merge(out, groups)
 
-  out = jnp.zeros_like(padded.v[:, every - 1::every])
-  (final, out), _ = lax.scan(jax.checkpoint(body, policy=_KEEP),
-                             (_grouped(x.state, groups), out), starts)
+  final, out = lax.scan(window, _grouped(x.state, groups), starts)
+  # (windows, Z, R, H, V) -> (Z, windows R, H, V)
+  out = jnp.moveaxis(out, 0, 1).reshape((out.shape[1], -1, *out.shape[3:]))
   return out[:, :x.q.shape[1] // every], _ungrouped(final, groups)
 
 
