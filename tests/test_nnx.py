@@ -436,7 +436,7 @@ def test_from_linen_gives_the_random_streams_of_the_model_built_from_the_same_rn
                  key_data(nnx.state(b, nnx.RngState)))
   x = _x((3, 11, 2))
   np.testing.assert_array_equal(converted(x), built(x))  # the same units dropped
-  np.testing.assert_array_equal(converted(x), built(x))
+  np.testing.assert_array_equal(converted(x), built(x))  # and the same again, streams advanced
 
 
 def test_model_rejects_bad_configuration():
