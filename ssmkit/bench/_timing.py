@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import random
 import statistics
 import sys
 import time
@@ -64,10 +65,11 @@ def interleaved_medians(
 
   Each thunk is called once to warm up and once to estimate its time; then `repeats`
   rounds time every thunk in turn, so a slow drift of the machine (other load, memory
-  state) reaches all of them alike; the order rotates from round to round, so what a
-  thunk leaves behind (freed buffers, evicted caches) does not always fall on the same
-  next one. A sample of a fast thunk averages enough calls to last about `min_sample_s`,
-  above the timer's and the dispatcher's noise; a slow thunk takes part in only as many
+  state) reaches all of them alike; each round takes them in a new random order (seeded),
+  so what a thunk leaves behind (freed buffers, evicted caches) falls on each of the others
+  alike (an order that only rotated kept each thunk behind the same one in all rounds but
+  one). A sample of a fast thunk averages enough calls to last about `min_sample_s`, above
+  the timer's and the dispatcher's noise; a slow thunk takes part in only as many
   rounds as fit in `cell_budget_s` (at least one). Every call is waited for with
   `jax.block_until_ready`, so the time covers the computation and not only its dispatch.
 
@@ -87,10 +89,9 @@ def interleaved_medians(
     calls[name] = max(1, math.ceil(min_sample_s / estimate))
     rounds[name] = max(1, min(repeats, int(cell_budget_s // (estimate * calls[name]))))
   samples = {name: [] for name in thunks}
-  names = list(thunks)
-  for round_ in range(repeats):
-    # Each round starts one thunk later, so no thunk always runs right after the same one.
-    for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+  order = random.Random(0)
+  for _ in range(repeats):
+    for name in order.sample(list(thunks), len(thunks)):
       if len(samples[name]) < rounds[name]:
         samples[name].append(_call_seconds(thunks[name], calls[name]))
   return {name: statistics.median(times) for name, times in samples.items()}
