@@ -576,6 +576,32 @@ def test_auto_on_accelerators_runs_the_tree_for_row_decays_and_the_loop_for_matr
   assert trace("auto") == trace(expected)
 
 
+def _gradient_trace(kind, x, **options):
+  """The jaxpr of the gradient of the sum of `_call`'s outputs, as text (traced only)."""
+  loss = lambda x: _call(kind, x, **options).sum()
+  return str(jax.make_jaxpr(jax.grad(loss, allow_int=True))(x))
+
+
+@pytest.mark.parametrize("kind", [KINDS[0], KINDS[1], KINDS[2], KINDS[10]], ids=lambda k: k[0])
+def test_linear_attention_on_cpu_takes_chunks_of_32_steps_from_8_sequences(kind, monkeypatch):
+  """On CPU, linear attention with one decay per head or none runs chunks of 32 steps by
+  default from 8 (batch row, head) sequences on, outside the parallel form, and 64 otherwise
+  (a decay per key always; traced: the default's program is that of the chunk size); its
+  gradients and JVPs there match autodiff of the float64 loop over 70 steps."""
+  monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
+  per_head = kind[2] != "key"
+  for batch, heads, mode, size in (((4,), 2, "chunked", 32 if per_head else 64),
+                                   ((2, 2), 2, "sequential", 32 if per_head else 64),
+                                   ((3,), 2, "chunked", 64), ((2,), 4, "parallel", 64)):
+    x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
+                     _inputs(np.random.default_rng(15), kind, batch, 70, heads=heads))
+    assert (_gradient_trace(kind, x, mode=mode, chunk_size=None)
+            == _gradient_trace(kind, x, mode=mode, chunk_size=size)), (batch, heads, mode)
+  if per_head and kind[2]:
+    _check_gradients_and_jvp(kind, _inputs(np.random.default_rng(11), kind, (4,), 70), 1e-6,
+                             modes=(("auto", None),))
+
+
 STREAMED = 60
 
 

@@ -166,7 +166,7 @@ class Mamba2(functional.LinenLayer):
       Falcon-H1's, by `mamba_rms_norm` and `mamba_norm_before_gate`).
     in_proj_scales: factors on the in-projection's five parts (z, x, B, C, dt) after it, or
       None (Falcon-H1's `ssm_multipliers`).
-    chunk_size: steps per chunk of the chunkwise algorithm; default 64.
+    chunk_size: steps per chunk of the chunkwise algorithm; default `linear_attention`'s.
     impl: what computes the recurrence: "auto", "xla" or "pallas", the Pallas kernels
       (`ssmkit.scan.linear_attention`'s `impl`; "auto" runs the XLA form everywhere today).
     param_dtype: dtype of the parameters.

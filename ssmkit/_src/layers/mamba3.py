@@ -191,7 +191,7 @@ class Mamba3(functional.LinenLayer):
     dt_min, dt_max: the range of the initial steps.
     a_floor: the smallest |A|.
     norm_eps: the epsilon of the RMSNorms.
-    chunk_size: steps per chunk (R per token) of the chunkwise algorithm; default 64.
+    chunk_size: steps per chunk (R per token) of the chunkwise algorithm; default `linear_attention`'s.
     param_dtype: dtype of the parameters.
 
   References:

@@ -303,7 +303,7 @@ def mamba3(
     initial_state: a `Mamba3State` before the first token; default zeros.
     reset: `(..., T)` booleans; True starts a new sequence at that token.
     mode: as in `linear_attention`.
-    chunk_size: steps per chunk, R per token; default 64.
+    chunk_size: steps per chunk, R per token; default `linear_attention`'s.
     return_final_state: also return the `Mamba3State` after the last token.
     axis_name: sequence parallelism as in `linear_attention`, tokens split over the devices.
     precision: precision of the matrix products (`jax.lax.Precision`).
