@@ -27,7 +27,7 @@ from ssmkit import cli, data, layers, train
 from ssmkit._src.layers.parallel import BRANCHES
 from ssmkit._src.layers.registry import LAYERS
 from ssmkit._src.train import reference
-from ssmkit._src.train.core import metrics, parallel
+from ssmkit._src.train.core import loop, metrics, parallel
 from ssmkit._src.train.supervised.data import split_arrays
 from ssmkit.train import supervised
 from ssmkit.train.core import parameter_labels
@@ -442,6 +442,23 @@ def test_spans_end_at_every_step_that_logs_evaluates_or_saves(total, log_every, 
         due(log_every, span.end), due(eval_every, span.end), due(checkpoint_every, span.end),
         span.end == total)
     assert 1 <= span.length <= rhythm.max_span
+
+
+def test_a_span_runs_count_steps_of_a_step_traced_once():
+  """`run_steps`: the first `count` of `size` rows are the steps' outputs in order, the rest
+  zero, the state is `count` steps on; the step is traced once (its output shapes and the
+  loop's body share one trace)."""
+  traces = []
+
+  def step(state, i):
+    traces.append(i)
+    return state * 2.0 + i.astype(state.dtype), {"before": state}
+
+  run = jax.jit(lambda state, count: loop.run_steps(step, state, count, 5))
+  state, outputs = run(jnp.ones(2), jnp.int32(3))
+  np.testing.assert_array_equal(state, [12.0, 12.0])  # 2 s + i: 1 -> 2 -> 5 -> 12
+  np.testing.assert_array_equal(outputs["before"][:, 0], [1.0, 2.0, 5.0, 0.0, 0.0])
+  assert len(traces) == 1
 
 
 def test_metric_sums_score_only_real_targets_of_real_examples():
