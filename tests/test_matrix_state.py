@@ -583,21 +583,21 @@ def _gradient_trace(kind, x, **options):
 
 
 @pytest.mark.parametrize("kind", [KINDS[0], KINDS[1], KINDS[2], KINDS[10]], ids=lambda k: k[0])
-def test_linear_attention_on_cpu_takes_chunks_of_32_steps_from_8_sequences(kind, monkeypatch):
-  """On CPU, linear attention with one decay per head or none runs chunks of 32 steps by
-  default from 8 (batch row, head) sequences on, outside the parallel form, and 64 otherwise
-  (a decay per key always; traced: the default's program is that of the chunk size); its
-  gradients and JVPs there match autodiff of the float64 loop over 70 steps."""
+def test_linear_attention_on_cpu_takes_chunks_of_32_steps(kind, monkeypatch):
+  """On CPU, outside the parallel form, linear attention runs chunks of 32 steps by default
+  with a decay per key, and with one decay per head or none from 8 (batch row, head) sequences
+  on, else 64 (traced: the default's program is that of the chunk size); its gradients and JVPs
+  there match autodiff of the float64 loop over 70 steps."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
-  per_head = kind[2] != "key"
-  for batch, heads, mode, size in (((4,), 2, "chunked", 32 if per_head else 64),
-                                   ((2, 2), 2, "sequential", 32 if per_head else 64),
-                                   ((3,), 2, "chunked", 64), ((2,), 4, "parallel", 64)):
+  per_key = kind[2] == "key"
+  for batch, heads, mode, size in (((4,), 2, "chunked", 32), ((2, 2), 2, "sequential", 32),
+                                   ((3,), 2, "chunked", 32 if per_key else 64),
+                                   ((2,), 4, "parallel", 64)):
     x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
                      _inputs(np.random.default_rng(15), kind, batch, 70, heads=heads))
     assert (_gradient_trace(kind, x, mode=mode, chunk_size=None)
             == _gradient_trace(kind, x, mode=mode, chunk_size=size)), (batch, heads, mode)
-  if per_head and kind[2]:
+  if kind[2]:
     _check_gradients_and_jvp(kind, _inputs(np.random.default_rng(11), kind, (4,), 70), 1e-6,
                              modes=(("auto", None),))
 

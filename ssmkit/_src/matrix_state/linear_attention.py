@@ -16,25 +16,31 @@ from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Impl, Mode, parse_impl
 
 Array = jax.Array
 
-# On CPU, with one decay per head or none, the chunked and step-by-step forms take chunks of 32
-# steps where at least 8 (batch row, head) sequences run together. Gradients, 32 against 64
-# steps, side by side (CPU, K=V=64 unless said): B=2 T=4096 H=4 43.4 against 50.4 ms,
-# B=8 T=1024 H=4 42.5 against 47.8, B=4 T=1024 H=16 114 against 126, B=16 T=256 H=4 25.2 against
-# 28.3, K=128 V=64 68.3 against 75.7, exclusive reads 44.0 against 50.4, the step loop (its
-# rematerialised groups) at B=2 T=1024 H=4 81.9 against 90.5; K=V=32 and K=V=128 within 3%, the
-# forwards within 4% (8% faster at B=16 T=1024 H=4). With fewer sequences the 32-step chunks'
-# operations were too small to pay (B=1 T=16384 H=2: 72.4 against 56.0 ms; B=2 T=4096 H=2: 24.2
-# against 22.7), as in the parallel form (119.8 against 101.4 ms) and with a decay per key (GLA:
-# 67.4 against 67.6 ms).
+# On CPU, outside the parallel form, chunks of 32 steps: with one decay per key (GLA) always,
+# with one decay per head or none where at least 8 (batch row, head) sequences run together.
+# Gradients, 32 against 64 steps, side by side (CPU, K=V=64 unless said):
+# - one decay per head: B=2 T=4096 H=4 43.4 against 50.4 ms, B=8 T=1024 H=4 42.5 against 47.8,
+#   B=4 T=1024 H=16 114 against 126, B=16 T=256 H=4 25.2 against 28.3, K=128 V=64 68.3 against
+#   75.7, exclusive reads 44.0 against 50.4, the step loop (its rematerialised groups) at B=2
+#   T=1024 H=4 81.9 against 90.5; K=V=32 and K=V=128 within 3%, the forwards within 4% (8%
+#   faster at B=16 T=1024 H=4). With fewer sequences the 32-step chunks' operations were too
+#   small to pay (B=1 T=16384 H=2: 72.4 against 56.0 ms; B=2 T=4096 H=2: 24.2 against 22.7).
+# - one decay per key: the chunk's scores stay one product for decays twice as strong (60 nats a
+#   chunk, `chunks.per_key_scores`). Log-decays in [-1.5, -0.5]: B=2 T=4096 H=4 65.7 against
+#   120.1 ms, B=8 T=1024 H=4 68.5 against 155.4, B=1 T=16384 H=2 93.1 against 227.2, the forward
+#   at B=16 T=1024 H=4 51.3 against 124.7; in [-0.3, -0.01]: 65.9 against 68.9 at B=2 T=4096 H=4,
+#   30.9 against 34.0 at B=2 T=4096 H=2, 92.7 against 88.6 at B=1 T=16384 H=2.
+# The parallel form lost at 32 (one decay per head: 119.8 against 101.4 ms).
 _CPU_CHUNK_SIZE = 32
 _CPU_CHUNK_ROWS = 8
 
 
 def _default_chunk_size(x: Inputs, mode: Mode) -> int:
   """Steps per chunk for `x` in `mode` where the caller gives none."""
-  per_head = x.log_decay is None or x.log_decay.ndim == 3
-  if (jax.default_backend() == "cpu" and per_head and mode is not Mode.PARALLEL
-      and x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS):
+  if jax.default_backend() != "cpu" or mode is Mode.PARALLEL:
+    return common.DEFAULT_CHUNK_SIZE
+  per_key = x.log_decay is not None and x.log_decay.ndim == 4
+  if per_key or x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS:
     return _CPU_CHUNK_SIZE
   return common.DEFAULT_CHUNK_SIZE
 
@@ -180,8 +186,9 @@ def linear_attention(
       sequences and chunked from 32 on (step by step below 64 steps); on accelerators, the
       parallel form.
     chunk_size: steps per chunk (and per rematerialised group of the sequential mode), at
-      most T; default 64, or 32 on CPU with one decay per head (or none) over at least 8
-      (batch row, head) sequences outside the parallel mode (faster there).
+      most T; default 64, or 32 on CPU outside the parallel mode with one decay per key, or
+      with one decay per head (or none) over at least 8 (batch row, head) sequences (faster
+      there).
     return_final_state: also return S_T, to continue over the next piece of a sequence.
     axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis split over
       the mesh axis of this name (consecutive slices of equal length in mesh order),
