@@ -24,6 +24,7 @@ import compiled
 import ssmkit.nnx as snx
 import ssmkit.pretrained
 from ssmkit import cli, layers, train
+from ssmkit._src.pretrained import load as pretrained_load
 from ssmkit._src.pretrained import olmo_hybrid, qwen3_5
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.save import CARRIED_FIELDS
@@ -81,6 +82,17 @@ def test_a_checkpoint_computes_the_logits_and_greedy_text_of_transformers(name):
   if name in ("recurrent_gemma", "qwen3_5_text"):  # NNX decoding through recurrent and KV caches
     np.testing.assert_array_equal(snx.generate(twin, ids, steps, temperature=0.0),
                                   expected["generated"])
+
+
+def test_a_configuration_is_traced_once_however_often_it_loads():
+  """`load` traces a model's initialisation (for its variables' shapes) once per configuration:
+  the checkpoint's NNX twin, and the checkpoint again, reuse the trace."""
+  ssmkit.pretrained.load(FIXTURES / "mamba")
+  traced = pretrained_load._variable_shapes.cache_info()
+  ssmkit.pretrained.load(FIXTURES / "mamba", nnx=True)
+  ssmkit.pretrained.load(FIXTURES / "mamba")
+  again = pretrained_load._variable_shapes.cache_info()
+  assert (again.hits, again.misses) == (traced.hits + 2, traced.misses)
 
 
 def _copy(tmp_path, name="mamba"):

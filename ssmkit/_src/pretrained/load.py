@@ -72,6 +72,13 @@ def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
     raise CheckpointError(f"`path_or_repo_id` {name!r} could not be downloaded: {error}") from None
 
 
+@functools.lru_cache(maxsize=16)
+def _variable_shapes(model: SequenceModel) -> Any:
+  """The shapes and dtypes of `model`'s variables, traced once per configuration: loading the
+  same checkpoint again (linen, then NNX) or another of its architecture skips the trace."""
+  return jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
+
+
 def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = False
          ) -> tuple[Any, Any, dict[str, Any]]:
   """A published checkpoint as an ssmkit language model: `(model, variables, config)`.
@@ -119,7 +126,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     ignored, renamed = (*ignored, *wrapper.ignored), (wrapper.prefix, "model.")
   model = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
   try:
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
+    shapes = _variable_shapes(model)
   except ValueError as error:
     raise CheckpointError(f"{fields.source} gives a model ssmkit cannot build: {error}") from None
   tensors = Tensors(read_weights(directory), directory, ignored=ignored, renamed=renamed)
