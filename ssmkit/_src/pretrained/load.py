@@ -75,7 +75,8 @@ def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
 @functools.lru_cache(maxsize=16)
 def _variable_shapes(model: SequenceModel) -> Any:
   """The shapes and dtypes of `model`'s variables, traced once per configuration: loading the
-  same checkpoint again (linen, then NNX) or another of its architecture skips the trace."""
+  same checkpoint again (linen, then NNX) or another of the same configuration (a fine-tuned
+  copy) skips the trace."""
   return jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
 
 
