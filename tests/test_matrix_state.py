@@ -540,6 +540,11 @@ def test_a_decoding_step_runs_no_chunk_machinery(kind, backend, monkeypatch):
       assert primitive not in jaxpr, jaxpr
 
 
+def _abstract(x):
+  """Inputs `x` (a dict of `_inputs`) as shapes and dtypes only, to trace without computing."""
+  return jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+
+
 @pytest.mark.parametrize("kind, rows, length, values", [
     (KINDS[2], 32, 64, "chunked"), (KINDS[2], 16, 4096, "steps"), (KINDS[5], 2, 1 << 14, "chunked"),
     (KINDS[5], 2, 1 << 13, "steps"), (KINDS[7], 2, 1 << 13, "chunked"),
@@ -554,9 +559,8 @@ def test_auto_computes_values_chunked_where_that_is_faster_on_cpu(kind, rows, le
   below, its values come from the step loop (traced only, not compiled, with the CPU's rule on
   any machine)."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
-  x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
-                   _inputs(np.random.default_rng(15), kind, (rows,), length, heads=1, dim_k=2,
-                           dim_v=2))
+  x = _abstract(_inputs(np.random.default_rng(15), kind, (rows,), length, heads=1, dim_k=2,
+                        dim_v=2))
   trace = lambda mode: str(jax.make_jaxpr(functools.partial(_call, kind, mode=mode))(x))
   assert (trace("auto") == trace("chunked")) == (values == "chunked")
 
@@ -568,9 +572,7 @@ def test_auto_on_accelerators_runs_the_tree_for_row_decays_and_the_loop_for_matr
   and runs the delta rules' `(K, K)` maps chunk after chunk, whose tree held 4-7x the memory
   for no speed on an H200 (traced only, not compiled)."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "gpu")
-  x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
-                   _inputs(np.random.default_rng(15), kind, (2,), 128, heads=1, dim_k=2,
-                           dim_v=2))
+  x = _abstract(_inputs(np.random.default_rng(15), kind, (2,), 128, heads=1, dim_k=2, dim_v=2))
   trace = lambda mode: str(jax.make_jaxpr(functools.partial(_call, kind, mode=mode))(x))
   expected = "parallel" if kind[1] in ("linear", "exclusive") else "chunked"
   assert trace("auto") == trace(expected)
@@ -593,8 +595,7 @@ def test_linear_attention_on_cpu_takes_chunks_of_32_steps(kind, monkeypatch):
   for batch, heads, mode, size in (((4,), 2, "chunked", 32), ((2, 2), 2, "sequential", 32),
                                    ((3,), 2, "chunked", 32 if per_key else 64),
                                    ((2,), 4, "parallel", 64)):
-    x = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype),
-                     _inputs(np.random.default_rng(15), kind, batch, 70, heads=heads))
+    x = _abstract(_inputs(np.random.default_rng(15), kind, batch, 70, heads=heads))
     assert (_gradient_trace(kind, x, mode=mode, chunk_size=None)
             == _gradient_trace(kind, x, mode=mode, chunk_size=size)), (batch, heads, mode)
   if kind[2]:

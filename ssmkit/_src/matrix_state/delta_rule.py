@@ -168,8 +168,8 @@ def delta_rule(
     mode: "sequential", "chunked", "parallel" (chunk transitions combined as a tree of
       `(K, K)` products) or "auto"; see `linear_attention`. On CPU, "auto" computes values
       step by step below 16 (batch row, head) sequences and 2^15 (batch row, head, step)
-      triples (derivatives chunked); on
-      accelerators it runs the chunked form, whose memory the tree's matrices take 4-7x of.
+      triples (derivatives chunked); on accelerators it runs the chunked form, whose memory
+      the tree's matrices take 4-7x of.
     chunk_size: steps per chunk; default 32 on CPU, on accelerators 64 (32 with one decay per
       key channel); at most T.
     return_final_state: also return S_T.

@@ -35,11 +35,10 @@ _CPU_CHUNK_SIZE = 32
 _CPU_CHUNK_ROWS = 8
 
 
-def _default_chunk_size(x: Inputs, mode: Mode) -> int:
-  """Steps per chunk for `x` in `mode` where the caller gives none."""
+def _default_chunk_size(x: Inputs, mode: Mode, per_key: bool) -> int:
+  """Steps per chunk for `x` in `mode` (with one decay `per_key`) where the caller gives none."""
   if jax.default_backend() != "cpu" or mode is Mode.PARALLEL:
     return common.DEFAULT_CHUNK_SIZE
-  per_key = x.log_decay is not None and x.log_decay.ndim == 4
   if per_key or x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS:
     return _CPU_CHUNK_SIZE
   return common.DEFAULT_CHUNK_SIZE
@@ -245,13 +244,13 @@ def linear_attention(
               reset=reset, check_log_decay=check_log_decay, grouped=True)
 
   def by_xla(x: Inputs, return_final_state: bool):
+    per_key = x.log_decay is not None and x.log_decay.ndim == 4
     return common.evaluate(x, _exclusive_sequential if exclusive else _sequential,
                            functools.partial(_chunk_maps, exclusive=exclusive), matrix=False,
                            mode=mode, chunk_size=chunk_size, axis_name=axis_name,
                            precision=precision, return_final_state=return_final_state,
-                           per_key_scores=x.log_decay is not None and x.log_decay.ndim == 4,
-                           chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS,
-                           default_chunk_size=_default_chunk_size(x, mode))
+                           per_key_scores=per_key, chunked_values_rows=LINEAR_VALUES_CHUNKED_ROWS,
+                           default_chunk_size=_default_chunk_size(x, mode, per_key))
 
   return common.evaluate_by(Impl.XLA if exclusive else impl, x, kernels.run, by_xla,
                             chunk_size=chunk_size, axis_name=axis_name, precision=precision,
