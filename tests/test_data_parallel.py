@@ -171,7 +171,11 @@ def test_two_processes_train_like_one_device(one_device, tmp_path):
                        stderr=subprocess.STDOUT, text=True)
       for i in range(2)
   ]
-  outputs = [process.communicate(timeout=300)[0] for process in processes]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:  # a process left waiting for its peer would outlive the test run
+    for process in processes:
+      process.kill()
   assert [process.returncode for process in processes] == [0, 0], outputs
   assert "on 4 cpu device(s) (data 4)" in outputs[0]
   assert "on 4 cpu device(s)" not in outputs[1]  # only process 0 prints
