@@ -161,9 +161,10 @@ def create_ppo_state(agent: Agent, env: VecEnv, tx: optax.GradientTransformation
   params_key, env_key, run_key = jax.random.split(key, 3)
   example = jnp.zeros((1, 1, env.obs_size), jnp.float32)
   first = jnp.ones((1, 1), bool)
-  variables = jax.jit(lambda k: agent.model.init(k, example, None, first, mode=agent.mode))(params_key)
-  train_state = TrainState.create(apply_fn=agent.model.apply, params=variables["params"], tx=tx,
-                                  batch_stats={})
+  # One program: the optimizer's moments built outside it would compile one per shape.
+  init = lambda k: agent.model.init(k, example, None, first, mode=agent.mode)["params"]
+  train_state = jax.jit(lambda k: TrainState.create(apply_fn=agent.model.apply, params=init(k), tx=tx,
+                                                    batch_stats={}))(params_key)
   return PPOState(
       # int32 arrays, not Python ints, so the first update does not trace with weak types.
       train_state=train_state.replace(step=jnp.zeros((), jnp.int32)),

@@ -40,19 +40,22 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
   """
   init = lambda k: model.init(k, example["x"], example.get("mask"), mode=mode)
   # Parameters to start from leave only the shapes to initialise: a published checkpoint's
-  # model is neither compiled nor drawn a second time at random (unless it keeps batch
-  # statistics, whose initial values it needs).
-  variables = None if params is None else jax.eval_shape(init, key)
-  if variables is None or variables.get("batch_stats"):
-    variables = jax.jit(init)(key)
-  state = TrainState.create(
-      apply_fn=functools.partial(model.apply, mode=mode),
-      params=variables["params"] if params is None else jax.tree.map(jnp.asarray, params),
-      tx=tx,
-      batch_stats=variables.get("batch_stats", {}),
-  )
-  # An int32 array, not the Python int 0, so the first step does not trace with a weak type.
-  return state.replace(step=jnp.zeros((), jnp.int32))
+  # model is not drawn a second time at random (unless it keeps batch statistics, whose
+  # initial values it needs).
+  draw = params is None or bool(jax.eval_shape(init, key).get("batch_stats"))
+
+  def build(key: Array, params: Any) -> TrainState:
+    variables = init(key) if draw else {}
+    return TrainState.create(
+        apply_fn=functools.partial(model.apply, mode=mode),
+        params=variables["params"] if params is None else params,
+        tx=tx,
+        batch_stats=variables.get("batch_stats", {}),
+        # An int32 array, not the Python int 0, so the first step does not trace with a weak type.
+    ).replace(step=jnp.zeros((), jnp.int32))
+
+  # One program: the optimizer's moments built outside it would compile one per shape.
+  return jax.jit(build)(key, params)
 
 
 def metric_sums(logits: Array, batch: Batch) -> dict[str, Array]:
