@@ -1,6 +1,6 @@
 """Test configuration: 8 host devices, strict rank promotion, exact float32 matrix products,
-float64 available for references, one persistent compilation cache for the whole run, and a
-garbage collector tuned for tracing."""
+float64 available for references, one persistent compilation cache for the whole run, compiled
+programs freed after each module, and a garbage collector tuned for tracing."""
 
 import gc
 import os

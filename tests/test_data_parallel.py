@@ -172,7 +172,7 @@ def test_two_processes_train_like_one_device(one_device, tmp_path):
       for i in range(2)
   ]
   try:
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
   finally:  # a process left waiting for its peer would outlive the test run
     for process in processes:
       process.kill()

@@ -32,7 +32,7 @@ def test_scans_and_linen_layers_work_where_flax_nnx_cannot_import():
         raise AssertionError("ssmkit.nnx imported without flax.nnx")
   """)
   run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
-                       timeout=300)
+                       timeout=240)
   assert run.returncode == 0, run.stderr
   message = run.stdout
   assert "ssmkit.nnx needs flax's NNX" in message

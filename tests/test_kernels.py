@@ -240,7 +240,7 @@ def test_the_kernels_lower_to_triton_for_nvidia_gpus():
   per head and per key, lowers through Pallas' Triton lowering (exported for CUDA, in a process
   of its own: `lower_for_cuda.py`)."""
   run = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "lower_for_cuda.py")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=240)
   assert run.returncode == 0, run.stderr[-3000:]
   lines = run.stdout.splitlines()
   assert len(lines) == 8 and all(line.endswith(" triton") for line in lines), run.stdout

@@ -42,7 +42,7 @@ def test_a_new_layer_is_one_file_and_one_entry(tmp_path):
       [sys.executable, "-m", "pytest", "-p", "throwaway_layer", "-p", "no:cacheprovider",
        "-o", "addopts=", "--import-mode=importlib", "-q", "-k", "throwaway",
        str(TESTS / "throwaway_layer.py"), *(str(TESTS / name) for name in CONTRACTS)],
-      capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=300)
+      capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=240)
   assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
   # A test that runs most layers (a contract, not a check of a few layers' particulars)
   # runs them all, the new one too.
