@@ -46,13 +46,14 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
 
   def build(key: Array, params: Any) -> TrainState:
     variables = init(key) if draw else {}
-    return TrainState.create(
+    state = TrainState.create(
         apply_fn=functools.partial(model.apply, mode=mode),
         params=variables["params"] if params is None else params,
         tx=tx,
         batch_stats=variables.get("batch_stats", {}),
-        # An int32 array, not the Python int 0, so the first step does not trace with a weak type.
-    ).replace(step=jnp.zeros((), jnp.int32))
+    )
+    # An int32 array, not the Python int 0, so the first step does not trace with a weak type.
+    return state.replace(step=jnp.zeros((), jnp.int32))
 
   # One program: the optimizer's moments built outside it would compile one per shape.
   return jax.jit(build)(key, params)
