@@ -37,9 +37,8 @@ _CPU_CHUNK_ROWS = 8
 
 def _default_chunk_size(x: Inputs, mode: Mode, per_key: bool) -> int:
   """Steps per chunk for `x` in `mode` (with one decay `per_key`) where the caller gives none."""
-  if jax.default_backend() != "cpu" or mode is Mode.PARALLEL:
-    return common.DEFAULT_CHUNK_SIZE
-  if per_key or x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS:
+  pays = per_key or x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS
+  if jax.default_backend() == "cpu" and mode is not Mode.PARALLEL and pays:
     return _CPU_CHUNK_SIZE
   return common.DEFAULT_CHUNK_SIZE
 
