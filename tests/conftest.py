@@ -24,12 +24,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 # Most of the suite's time is XLA compiling small programs, many of them more than once: in
 # each xdist worker, in the subprocesses some tests start, and where a test builds a new
-# function that traces to the same program. A program compiled once is read back from disk.
+# function that traces to the same program. A program compiled once is read back from disk,
+# unless it compiled in under 50 ms: serialising and writing those (7 of 10 of the suite's
+# programs) cost more than compiling them again (tests/test_nnx.py, one process, cold: 101.8
+# against 105.0 s caching every program).
 # XLA's optimisation passes cost the tests more than they save: the programs are small and
 # run a few times (the benchmarks, not the tests, measure speed). The environment carries
 # both settings into the subprocesses the tests start.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache" / "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA's CPU fusion emitters and parallel code generation cost the small programs of the
 # tests more compile time than they save (measured: test_models 86 s -> 54 s, one process).
