@@ -358,6 +358,10 @@ def test_mixed_precision_is_a_dtype_name_of_the_model_section():
   config = train.load_config("mnist1d_lru", ["model.dtype=bfloat16"])
   model = train.core.build_model(config.model, num_outputs=3, vocab_size=None)
   assert (model.dtype, model.param_dtype) == (jnp.bfloat16, jnp.float32)
+  # As the layers' defaults are written: a model built from a config then hashes as the equal
+  # model built in code or loaded from a checkpoint (one key of a cache or a static argument).
+  assert {model.dtype, model.param_dtype} == {jnp.bfloat16, jnp.float32}
+  assert hash(model.clone(dtype=jnp.bfloat16, param_dtype=jnp.float32)) == hash(model)
   assert train.core.build_model(_config().model, 3, None).dtype is None
   for override, key in [("model.dtype=int32", "model.dtype"), ("model.dtype=bfloat17", "model.dtype"),
                         ("model.param_dtype=bool", "model.param_dtype")]:

@@ -299,8 +299,14 @@ def _experts(kwargs: dict[str, Any] | None) -> layers.Experts | None:
     raise ConfigError(re.sub(r"`(\w+)`", r"`model.experts.\1`", str(error), count=1)) from None
 
 
-def float_dtype(name: str, key: str) -> np.dtype:
-  """The floating dtype called `name`; a ConfigError naming `key` for anything else."""
+def float_dtype(name: str, key: str) -> type:
+  """The floating dtype called `name` as `jax.numpy` names it (`jnp.bfloat16`), the form of the
+  layers' defaults; a ConfigError naming `key` for anything else.
+
+  `np.dtype("float32") == jnp.float32`, but the two hash apart: a model holding the one and
+  an equal model holding the other (built in code, or loaded from a checkpoint) were two keys
+  of every cache and static argument, each traced and compiled on its own.
+  """
   try:
     dtype = jnp.dtype(name)
   except TypeError:
@@ -308,7 +314,7 @@ def float_dtype(name: str, key: str) -> np.dtype:
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ConfigError(f"`{key}` must be a floating dtype name (bfloat16, float16, float32), got "
                       f"{name!r}.")
-  return dtype
+  return getattr(jnp, dtype.name)
 
 
 def _pattern_position(names: list[Any], length: int) -> int:
