@@ -387,10 +387,10 @@ def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
       segment = index.reshape((*index.shape[:3], m, sub))
       lower = lower & (segment[..., :, None] == segment[..., None, :])
     # (Z H n m, t, s, K): the block axes flattened, as in `within` below. The seven-axis form
-    # (Z, H, n, m, t, s, K) crashed the process in jaxlib 0.10.2's CPU runtime on an AVX2
-    # processor (a segmentation fault in its YNNPACK sums over t or s, in the gradient) where a
-    # block filled its chunk (m = 1), as `jnp.sum(a * b, axis=5)` of two (2, 2, 9, 1, 8, 8, 5)
-    # arrays does.
+    # (Z, H, n, m, t, s, K) crashed the process in jaxlib 0.10.2's CPU runtime (jax-ml/jax#40412:
+    # a segmentation fault in its YNNPACK sums over t or s, in the float32 gradient) under
+    # `vmap` with one row per mapped element, and on an AVX2 processor where a block filled its
+    # chunk (m = 1), as `jnp.sum(a * b, axis=5)` of two (2, 2, 9, 1, 8, 8, 5) arrays does.
     flat = lambda a: a.reshape((-1, *a.shape[4:]))
     mask = flat(jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)))[..., None]
     inside = jnp.exp(jnp.where(mask, flat(blocks(bx))[:, :, None] - flat(blocks(by))[:, None],
