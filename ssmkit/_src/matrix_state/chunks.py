@@ -386,15 +386,14 @@ def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
     if index is not None:  # (Z, 1, n, m, t, s)
       segment = index.reshape((*index.shape[:3], m, sub))
       lower = lower & (segment[..., :, None] == segment[..., None, :])
-    # (Z H n m, t, s, K): the block axes flattened, as in `within` below. The seven-axis form
+    # (Z H n m, t, s, K): the chunks' blocks on one axis, as in `within` below. The seven-axis form
     # (Z, H, n, m, t, s, K) crashed the process in jaxlib 0.10.2's CPU runtime (jax-ml/jax#40412:
     # a segmentation fault in its YNNPACK sums over t or s, in the float32 gradient) under
     # `vmap` with one row per mapped element, and on an AVX2 processor where a block filled its
     # chunk (m = 1), as `jnp.sum(a * b, axis=5)` of two (2, 2, 9, 1, 8, 8, 5) arrays does.
-    flat = lambda a: a.reshape((-1, *a.shape[4:]))
-    mask = flat(jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)))[..., None]
-    inside = jnp.exp(jnp.where(mask, flat(blocks(bx))[:, :, None] - flat(blocks(by))[:, None],
-                               -jnp.inf))
+    flat = lambda a: a.reshape((-1, sub, a.shape[-1]))  # (Z H n m, c, K)
+    mask = jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)).reshape((-1, sub, sub, 1))
+    inside = jnp.exp(jnp.where(mask, flat(bx)[:, :, None] - flat(by)[:, None], -jnp.inf))
   eye = jnp.eye(m, dtype=bx.dtype)
 
   def scores(x, y):
@@ -405,7 +404,7 @@ def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
       within = jnp.einsum("zhnmtd,zhnmsd->zhnmts", x_hat, blocks(y) * y_near, precision=precision)
       within = jnp.where(lower, within, 0)
     else:
-      within = jnp.sum(flat(blocks(x))[:, :, None] * flat(blocks(y))[:, None] * inside,
+      within = jnp.sum(flat(x)[:, :, None] * flat(y)[:, None] * inside,
                        axis=-1).reshape((*x_scale.shape[:4], sub, sub))
     diagonal = jnp.einsum("zhnits,ij->zhnitjs", within, eye).reshape(between.shape)
     return (between + diagonal).reshape((*x.shape[:3], size, size))
