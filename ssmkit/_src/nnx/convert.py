@@ -17,7 +17,6 @@ from typing import Any
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
@@ -194,7 +193,9 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: nnx.Rngs | None = Non
   for path, linen_path, value in _moved(model):
     if linen_path not in given:
       raise ValueError(f"`variables` lack {'/'.join(map(str, linen_path))} of {type(module).__name__}.")
-    new = jnp.asarray(given.pop(linen_path))
+    # `device_put`, not `jnp.asarray`: the latter compiles a program per shape for NumPy
+    # arrays (a published checkpoint's parameters).
+    new = jax.device_put(given.pop(linen_path))
     if new.shape != value.shape:
       raise ValueError(f"`variables` hold {'/'.join(map(str, linen_path))} of shape {new.shape}; "
                        f"{type(module).__name__} needs {value.shape}.")

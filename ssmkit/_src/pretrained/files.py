@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory: its `config.json` and its safetensors weights.
 
 A directory holds `config.json` and either one `model.safetensors` or shards listed by
-`model.safetensors.index.json`. Weights are read by `safetensors` into JAX arrays (bfloat16
+`model.safetensors.index.json`. Weights are read by `safetensors` into NumPy arrays (bfloat16
 ones included), each named by its tensor name; every error names the file and tensor.
 """
 
@@ -42,14 +42,14 @@ def read_config(directory: pathlib.Path) -> dict[str, Any]:
   return config
 
 
-def read_weights(directory: pathlib.Path) -> dict[str, Any]:
+def read_weights(directory: pathlib.Path) -> dict[str, np.ndarray]:
   """Every tensor of the checkpoint in `directory`, by name: one file or the shards of an index.
 
   Raises:
     CheckpointError: naming the file when there are no weights, an index names a missing
       shard, or a file is not safetensors.
   """
-  from safetensors.flax import load_file
+  from safetensors.numpy import load_file
 
   index = directory / INDEX
   if index.is_file():
@@ -62,7 +62,7 @@ def read_weights(directory: pathlib.Path) -> dict[str, Any]:
   else:
     raise CheckpointError(f"{directory} holds neither {SINGLE} nor {INDEX}: no weights to load "
                           "(ssmkit reads safetensors, not PyTorch .bin files).")
-  tensors: dict[str, Any] = {}
+  tensors: dict[str, np.ndarray] = {}
   for name in files:
     path = directory / name
     if not path.is_file():
