@@ -449,11 +449,14 @@ def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch():
   values and gradients."""
   rng = np.random.default_rng(24)
 
+  def stacked(rows, dtype=None):  # the rows on a leading axis, for `vmap` to map
+    return {n: None if rows[0][n] is None else np.asarray(np.stack([r[n] for r in rows]), dtype)
+            for n in rows[0]}
+
   def batch(kind):  # a mildly decaying row and a strongly decaying one, and the chunked form
     rows = [_inputs(rng, kind, (), 37, decay=decay) for decay in ((0.0, 1.0), (47.0, 50.0))]
-    x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]) for n in rows[0]}
-    return rows, x, functools.partial(_call, kind, mode="chunked", chunk_size=8,
-                                      return_final_state=True)
+    return rows, stacked(rows), functools.partial(_call, kind, mode="chunked", chunk_size=8,
+                                                  return_final_state=True)
 
   for kind in (KINDS[2], KINDS[5]):  # GLA, KDA
     _, x, f = batch(kind)
@@ -476,8 +479,7 @@ def test_vmap_keeps_one_choice_of_the_chunk_scores_for_the_whole_batch():
   # 0.10.2's CPU runtime (jax-ml/jax#40412).
   rows = [dict(_inputs(rng, kind, (), 64, decay=(47.0, 50.0)), reset=None, initial_state=None)
           for _ in range(3)]
-  x = {n: None if rows[0][n] is None else np.stack([r[n] for r in rows]).astype(np.float32)
-       for n in rows[0]}
+  x = stacked(rows, np.float32)
   names = tuple(_differentiable(x))
   f = functools.partial(f, chunk_size=64)
   grads = jax.jit(jax.vmap(jax.grad(_loss(f, names))))(tuple(x[n] for n in names), x)

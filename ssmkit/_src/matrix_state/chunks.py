@@ -392,7 +392,7 @@ def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
     # `vmap` with one row per mapped element, and on an AVX2 processor where a block filled its
     # chunk (m = 1), as `jnp.sum(a * b, axis=5)` of two (2, 2, 9, 1, 8, 8, 5) arrays does.
     flat = lambda a: a.reshape((-1, sub, a.shape[-1]))  # (Z H n m, c, K)
-    mask = jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)).reshape((-1, sub, sub, 1))
+    mask = flat(jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)))[..., None]
     inside = jnp.exp(jnp.where(mask, flat(bx)[:, :, None] - flat(by)[:, None], -jnp.inf))
   eye = jnp.eye(m, dtype=bx.dtype)
 
