@@ -94,8 +94,13 @@ def plot_curves(records: Sequence[dict[str, Any]], path: pathlib.Path, panels: S
     x: the record key of the x axis.
     xlabel: the x axis label.
   """
-  # A bare Figure renders with Agg and leaves pyplot's global backend alone.
-  figure = Figure(figsize=(5 * len(panels), 4), layout="constrained")
+  # A bare Figure renders with Agg and leaves pyplot's global backend alone. Its margins are set
+  # in inches, room for tick labels of seven characters (-123000): a layout engine measuring
+  # every label took half of the drawing's time (0.36 against 0.17 s for two panels).
+  width = 5 * len(panels)
+  figure = Figure(figsize=(width, 4))
+  figure.subplots_adjust(left=1 / width, right=1 - 0.2 / width, bottom=0.12, top=0.96,
+                         wspace=0.3)
   for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
     for key, label in panel.curves:
       points = [(record[x], record[key]) for record in records if record.get(key) is not None]
