@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -39,13 +42,17 @@ class Checkpoints:
     items = ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress))
     self._manager.save(step, args=items, force=True)
 
-  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+  def restore(self, template: Any, step: int | None = None, *,
+              parts: Sequence[tuple[str, ...]] | None = None) -> tuple[Any, dict[str, Any]]:
     """The state and progress of checkpoint `step` (default: the latest).
 
     Args:
       template: a state with the saved structure, shapes, dtypes and shardings, e.g. a freshly
         built one.
       step: the checkpoint's step.
+      parts: read only these parts of the state, each a path of dataclass fields (e.g.
+        `("params",)` of a `TrainState`, `("train_state", "params")` of a `PPOState`); the rest
+        of the returned state is `template`'s. None: the whole state.
 
     Returns:
       (state, progress).
@@ -59,11 +66,38 @@ class Checkpoints:
       raise FileNotFoundError(
           f"no checkpoint of step {step} in {self._manager.directory}; the steps kept: {kept}.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-    items = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore())
-    restored = self._manager.restore(step, args=items)
-    return restored.state, restored.progress
+    if parts is None:
+      state = ocp.args.StandardRestore(abstract)
+    else:
+      # Empty parts (a model without batch statistics) have no array to read.
+      parts = [path for path in parts if jax.tree.leaves(_get(abstract, path))]
+      item: dict[str, Any] = {}
+      for path in parts:
+        functools.reduce(lambda tree, name: tree.setdefault(name, {}), path[:-1], item)[path[-1]] = (
+            _get(abstract, path))
+      state = ocp.args.PyTreeRestore(item, ocp.checkpoint_utils.construct_restore_args(item),
+                                     partial_restore=True)
+    restored = self._manager.restore(step, args=ocp.args.Composite(state=state,
+                                                                   progress=ocp.args.JsonRestore()))
+    if parts is None:
+      return restored.state, restored.progress
+    state = template
+    for path in parts:
+      state = _put(state, path, functools.reduce(operator.getitem, path, restored.state))
+    return state, restored.progress
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager."""
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _get(state: Any, path: tuple[str, ...]) -> Any:
+  return functools.reduce(getattr, path, state)
+
+
+def _put(state: Any, path: tuple[str, ...], value: Any) -> Any:
+  """`state` (a dataclass with `replace`, as flax's) with the field at `path` set to `value`."""
+  if not path:
+    return value
+  return state.replace(**{path[0]: _put(getattr(state, path[0]), path[1:], value)})

@@ -182,13 +182,16 @@ class Workdir:
     self.close()
 
 
-def restore(workdir: str | pathlib.Path, template: Any, step: int | None = None) -> tuple[int, Any]:
+def restore(workdir: str | pathlib.Path, template: Any, step: int | None = None, *,
+            parts: Sequence[tuple[str, ...]] | None = None) -> tuple[int, Any]:
   """A checkpoint of a workdir, without opening it for training.
 
   Args:
     workdir: the run's directory.
     template: a state with the saved structure, shapes, dtypes and shardings.
     step: the checkpoint's step; default the latest.
+    parts: read only these parts of the state (`Checkpoints.restore`), e.g. the model's
+      variables without the optimizer's moments; None: the whole state.
 
   Returns:
     `(step, state)`.
@@ -204,7 +207,7 @@ def restore(workdir: str | pathlib.Path, template: Any, step: int | None = None)
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"{directory} holds no checkpoint.")
-    state, _ = checkpoints.restore(template, step)
+    state, _ = checkpoints.restore(template, step, parts=parts)
   finally:
     checkpoints.close()
   return step, state

@@ -217,7 +217,8 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
 def _restore(workdir: str | pathlib.Path, step: int | None) -> tuple[PPOConfig, Setup, int, PPOState]:
   config = workdirs.saved_config(workdir, PPOConfig)
   run = setup(config)
-  step, state = workdirs.restore(workdir, run.state, step)
+  # The policy's parameters alone: the optimizer's moments and the actors stay unread.
+  step, state = workdirs.restore(workdir, run.state, step, parts=[("train_state", "params")])
   return config, run, step, state
 
 
