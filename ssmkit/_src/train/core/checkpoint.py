@@ -71,10 +71,12 @@ class Checkpoints:
     else:
       # Empty parts (a model without batch statistics) have no array to read.
       parts = [path for path in parts if jax.tree.leaves(_get(abstract, path))]
-      item: dict[str, Any] = {}
+      item: dict[str, Any] = {}  # the parts as orbax names them: nested dicts of field names
       for path in parts:
-        functools.reduce(lambda tree, name: tree.setdefault(name, {}), path[:-1], item)[path[-1]] = (
-            _get(abstract, path))
+        node = item
+        for name in path[:-1]:
+          node = node.setdefault(name, {})
+        node[path[-1]] = _get(abstract, path)
       state = ocp.args.PyTreeRestore(item, ocp.checkpoint_utils.construct_restore_args(item),
                                      partial_restore=True)
     restored = self._manager.restore(step, args=ocp.args.Composite(state=state,
