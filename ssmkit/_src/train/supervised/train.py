@@ -54,7 +54,8 @@ class Setup(NamedTuple):
     model: the model.
     order: the order of the train batches, at its start.
     total_steps: the run's number of steps.
-    state: the initial train state, parameters and optimizer state sharded over `mesh`.
+    state: the initial train state, parameters and optimizer state sharded over `mesh` (or
+      their shapes, dtypes and shardings, built `abstract`).
     shardings: the sharding of each part of `state`.
     dropout_key: the run's dropout key, replicated over `mesh`.
     layer_kinds: the registry names of the model's layers, in pattern order.
@@ -146,8 +147,14 @@ def total_steps(config: TrainConfig, steps_per_epoch: int) -> int:
   return config.steps or config.epochs * steps_per_epoch
 
 
-def setup(config: Any, task: Task = SUPERVISED) -> Setup:
+def setup(config: Any, task: Task = SUPERVISED, *, abstract: bool = False) -> Setup:
   """Builds the run of `config` (a config of `task`) up to its first step; writes nothing.
+
+  Args:
+    config: the run's config.
+    task: the kind of run `config` is.
+    abstract: make `state` of `jax.ShapeDtypeStruct`s with their shardings (nothing computed or
+      placed on the devices), the template of a checkpoint to restore.
 
   Raises:
     ConfigError: for any value out of range or that does not fit the data or the devices.
@@ -161,11 +168,17 @@ def setup(config: Any, task: Task = SUPERVISED) -> Setup:
   tx = make_optimizer(config.optimizer, names, length)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
-  state = create_train_state(model, tx, example, params_key, config.model.mode, params=params)
+  build = lambda: create_train_state(model, tx, example, params_key, config.model.mode, params=params)
+  state = jax.eval_shape(build) if abstract else build()
   _check_split_over_time(config, mesh, example["x"].shape[1])
   state = state.replace(apply_fn=parallel.over_time(state.apply_fn, mesh, model.pooling == "none"))
   shardings = parallel.state_shardings(mesh, state)
-  return Setup(dataset, mesh, model, order, length, parallel.place(state, shardings), shardings,
+  if abstract:
+    state = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                  sharding=where), state, shardings)
+  else:
+    state = parallel.place(state, shardings)
+  return Setup(dataset, mesh, model, order, length, state, shardings,
                parallel.place(dropout_key, parallel.replicated(mesh)), names)
 
 
@@ -309,10 +322,12 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
 def _restore(workdir: str | pathlib.Path, step: int | None, task: Task
              ) -> tuple[Any, Setup, int, TrainState]:
   config = workdirs.saved_config(workdir, task.schema)
-  run = setup(config, task)
-  # The model's variables alone: a third of the state under Adam, whose moments stay unread.
-  step, state = workdirs.restore(workdir, run.state, step, parts=[("params",), ("batch_stats",)])
-  return config, run, step, state
+  run = setup(config, task, abstract=True)
+  # The model's variables and step alone: the optimizer's moments, two thirds of the state
+  # under AdamW, are neither read nor given memory.
+  step, state = workdirs.restore(workdir, run.state, step,
+                                 parts=[("params",), ("batch_stats",), ("step",)])
+  return config, run, step, state.replace(opt_state=None)
 
 
 def evaluate(workdir: str | pathlib.Path, step: int | None = None, *,
