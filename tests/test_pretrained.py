@@ -629,8 +629,8 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
 
   def loss(model, variables):  # in float64 NumPy, from the compiled logits
     logits = np.asarray([compiled.run(model)(variables, text) for text in texts], np.float64)
-    log_p = logits[:, :, :steps - 1] - scipy.special.logsumexp(logits[:, :, :steps - 1], -1,
-                                                                keepdims=True)
+    logits = logits[:, :, :steps - 1]
+    log_p = logits - scipy.special.logsumexp(logits, -1, keepdims=True)
     return -np.take_along_axis(log_p, texts[:, :, 1:steps, None], -1).mean()
 
   assert loss(model, variables) < loss(fixture, weights)
