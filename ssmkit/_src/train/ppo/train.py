@@ -50,7 +50,8 @@ class Setup(NamedTuple):
     env: the environments.
     mesh: the devices; the environments are split over them.
     agent: the policy.
-    state: the initial `PPOState`, placed on `mesh`.
+    state: the initial `PPOState`, placed on `mesh` (or its shapes, dtypes and shardings, built
+      `abstract`).
     shardings: the shardings of `state`'s parts.
     schedule: the learning rate as a function of the optimizer step.
   """
@@ -63,8 +64,13 @@ class Setup(NamedTuple):
   schedule: optax.Schedule
 
 
-def setup(config: PPOConfig) -> Setup:
+def setup(config: PPOConfig, *, abstract: bool = False) -> Setup:
   """Builds the run of `config` up to its first update; writes nothing.
+
+  Args:
+    config: the run's config.
+    abstract: make `state` of `jax.ShapeDtypeStruct`s with their shardings (nothing computed or
+      placed on the devices), the template of a checkpoint to restore.
 
   Raises:
     ConfigError: for any value out of range or that does not fit the environment or devices.
@@ -78,12 +84,18 @@ def setup(config: PPOConfig) -> Setup:
   tx, schedule = make_optimizer(config.ppo, config.train.updates)
   mesh = parallel.make_mesh(config.mesh, config.env.num_envs, "env.num_envs")
   replicated, split = parallel.replicated(mesh), parallel.split(mesh)
-  initial = create_ppo_state(agent, env, tx, jax.random.key(config.train.seed))
+  build = lambda: create_ppo_state(agent, env, tx, jax.random.key(config.train.seed))
+  initial = jax.eval_shape(build) if abstract else build()
   # The environments, and all that goes with them, are split over the devices; the policy's
   # parameters and optimizer state are sharded over "fsdp".
   shardings = PPOState(train_state=parallel.state_shardings(mesh, initial.train_state), actor=split,
                        key=replicated, update=replicated)
-  state = jax.tree.map(lambda sharding, part: parallel.place(part, sharding), shardings, initial)
+  if abstract:
+    place = lambda part, where: jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), part)
+  else:
+    place = parallel.place
+  state = jax.tree.map(lambda sharding, part: place(part, sharding), shardings, initial)
   return Setup(env, mesh, agent, state, shardings, schedule)
 
 
@@ -216,8 +228,9 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
 
 def _restore(workdir: str | pathlib.Path, step: int | None) -> tuple[PPOConfig, Setup, int, PPOState]:
   config = workdirs.saved_config(workdir, PPOConfig)
-  run = setup(config)
-  # The policy's parameters alone: the optimizer's moments and the actors stay unread.
+  run = setup(config, abstract=True)
+  # The policy's parameters alone: the optimizer's moments and the actors are neither read nor
+  # given memory.
   step, state = workdirs.restore(workdir, run.state, step, parts=[("train_state", "params")])
   return config, run, step, state
 
