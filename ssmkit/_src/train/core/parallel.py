@@ -239,6 +239,20 @@ def _key(entry: Any) -> Any:
   return getattr(entry, "key", getattr(entry, "name", entry))
 
 
+def shapes(tree: Any, sharding: NamedSharding | Any) -> Any:
+  """What `place(tree, sharding)` would make, as `jax.ShapeDtypeStruct`s with their shardings:
+  nothing computed or copied (the template of a checkpoint to restore).
+
+  Args:
+    tree: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+    sharding: the sharding of every leaf, or a pytree of shardings of the structure of `tree`.
+  """
+  shape = lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda leaf: shape(leaf, sharding), tree)
+  return jax.tree.map(shape, tree, sharding)
+
+
 def place(tree: Any, sharding: NamedSharding | Any) -> Any:
   """Global arrays of `sharding` from the same host values on every process.
 

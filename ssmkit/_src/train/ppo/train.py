@@ -90,11 +90,7 @@ def setup(config: PPOConfig, *, abstract: bool = False) -> Setup:
   # parameters and optimizer state are sharded over "fsdp".
   shardings = PPOState(train_state=parallel.state_shardings(mesh, initial.train_state), actor=split,
                        key=replicated, update=replicated)
-  if abstract:
-    place = lambda part, where: jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), part)
-  else:
-    place = parallel.place
+  place = parallel.shapes if abstract else parallel.place
   state = jax.tree.map(lambda sharding, part: place(part, sharding), shardings, initial)
   return Setup(env, mesh, agent, state, shardings, schedule)
 

@@ -173,11 +173,7 @@ def setup(config: Any, task: Task = SUPERVISED, *, abstract: bool = False) -> Se
   _check_split_over_time(config, mesh, example["x"].shape[1])
   state = state.replace(apply_fn=parallel.over_time(state.apply_fn, mesh, model.pooling == "none"))
   shardings = parallel.state_shardings(mesh, state)
-  if abstract:
-    state = jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                                                  sharding=where), state, shardings)
-  else:
-    state = parallel.place(state, shardings)
+  state = (parallel.shapes if abstract else parallel.place)(state, shardings)
   return Setup(dataset, mesh, model, order, length, state, shardings,
                parallel.place(dropout_key, parallel.replicated(mesh)), names)
 
