@@ -12,6 +12,7 @@ Every run of this module uses the default backend's devices where it has 8, else
 
 import functools
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -28,6 +29,7 @@ import pytest
 from ssmkit import cli, train
 from ssmkit._src.train.core import metrics, parallel
 from ssmkit._src.train.lm import train as lm_train
+from ssmkit._src.train.supervised import train as supervised_train
 from ssmkit._src.train.supervised.data import split_arrays
 
 pytestmark = pytest.mark.usefixtures("host_devices")
@@ -213,8 +215,10 @@ def _corpus(path):
     (["mesh.seq=2", "model.norm=layer", "model.dtype=bfloat16"],
      "`mesh.seq`=2 with `model.dtype`='bfloat16' aborts XLA's CPU compiler"),
 ])
-def test_a_bad_split_over_time_is_named_before_training(overrides, match):
-  config = train.load_config("mnist1d_lru", ["mesh.data=1", *overrides])
+def test_a_bad_split_over_time_is_named_before_training(overrides, match, monkeypatch):
+  """Named before the model's state is built (its initialisation compiles)."""
+  config = train.load_config("mnist1d_lru", ["data.kwargs.num_samples=200", "mesh.data=1", *overrides])
+  monkeypatch.setattr(supervised_train, "create_train_state", None)  # built: a TypeError
   with pytest.raises(train.ConfigError, match=match):
     train.supervised.setup(config)
 
@@ -238,7 +242,7 @@ def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_pa
   with jax.enable_x64(False):
     for name, devices in (("one", ["mesh.data=1"]), ("split", mesh)):
       train.lm.train_and_evaluate(config(*devices), tmp_path / name)
-    run = train.supervised.setup(config(*mesh), lm_train.TASK)
+    run = train.supervised.setup(config(*mesh), lm_train.TASK, abstract=True)
   assert dict(run.mesh.shape) == {"data": 1, "fsdp": 2, "expert": 2, "seq": 2}
   # The model ran split over time: its convolution windows crossed devices.
   tokens = np.zeros((4, 16), np.int32)
@@ -258,15 +262,15 @@ def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_pa
     np.testing.assert_allclose(a, b, rtol=0, atol=0.1 * step_size * 4)
   summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "split")]
   np.testing.assert_allclose(summaries[1]["test_loss"], summaries[0]["test_loss"], rtol=2e-5)
-  first = run.mesh.devices.flat[0]
-  held = lambda leaf: sum(shard.data.nbytes for shard in leaf.addressable_shards
-                          if shard.device == first)
+  # The state's shapes and shardings (`abstract`): the bytes each device holds of a leaf.
+  size = lambda shape, leaf: math.prod(shape) * leaf.dtype.itemsize
+  held = lambda leaf: size(leaf.sharding.shard_shape(leaf.shape), leaf)
   experts = run.state.params["blocks"]["block_0"]["mlp_experts"]
   for name in ("gate", "up", "down"):  # (blocks, experts, ...): experts over "expert"
     assert experts[name].sharding.spec[1] == "expert"
-    assert held(experts[name]) == experts[name].nbytes // 4
+    assert held(experts[name]) == size(experts[name].shape, experts[name]) // 4
   leaves = jax.tree.leaves((run.state.params, run.state.opt_state))
-  total = sum(leaf.nbytes for leaf in leaves)
+  total = sum(size(leaf.shape, leaf) for leaf in leaves)
   assert 0.25 * total < sum(map(held, leaves)) < 0.55 * total
 
 

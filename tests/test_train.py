@@ -349,8 +349,9 @@ def test_bad_patterns_and_block_options_are_named_before_anything_is_written(ove
                                                                               tmp_path):
   workdir = tmp_path / "run"
   with pytest.raises(train.ConfigError, match=message):
-    train.train_and_evaluate(train.load_config(None, ["data.name=mnist1d", *PATTERN, *overrides]),
-                             workdir)
+    train.train_and_evaluate(
+        train.load_config(None, ["data.name=mnist1d", *SMALL_DATA["mnist1d"], *PATTERN, *overrides]),
+        workdir)
   assert not workdir.exists()
 
 
@@ -535,9 +536,12 @@ def test_a_shipped_config_of_each_kind_trains_in_its_tiny_variant(name, tmp_path
 
 @pytest.mark.parametrize("name", sorted(set(train.shipped_configs("supervised")) - TRAINED))
 def test_every_shipped_config_builds_and_traces_its_training_step(name):
+  """Each shipped config's run is set up (its state traced, as the template of a restore: its
+  initialisation compiles in the tiny runs of each kind) and its training step traces to the
+  state's shapes."""
   config = train.load_config(name, _tiny_overrides(train.load_config(name)))
   with jax.enable_x64(False):
-    run = supervised.setup(config)
+    run = supervised.setup(config, abstract=True)
     arrays = split_arrays(run.dataset, "train")
     step = functools.partial(supervised.train_steps, sharding=parallel.split(run.mesh))
     state, sums = jax.eval_shape(step, run.state, arrays, run.order.take(1, 1), np.int32(1),

@@ -168,9 +168,9 @@ def setup(config: Any, task: Task = SUPERVISED, *, abstract: bool = False) -> Se
   tx = make_optimizer(config.optimizer, names, length)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
+  _check_split_over_time(config, mesh, example["x"].shape[1])
   build = lambda: create_train_state(model, tx, example, params_key, config.model.mode, params=params)
   state = jax.eval_shape(build) if abstract else build()
-  _check_split_over_time(config, mesh, example["x"].shape[1])
   state = state.replace(apply_fn=parallel.over_time(state.apply_fn, mesh, model.pooling == "none"))
   shardings = parallel.state_shardings(mesh, state)
   state = (parallel.shapes if abstract else parallel.place)(state, shardings)
