@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import compiled
 import registered
 import ssmkit.nnx as snx
 from ssmkit import layers
@@ -119,7 +120,7 @@ def test_layer_across_devices_equals_one_device(case):
   poisoned[1, 2, 1] = np.nan
   read = np.ones((2, LENGTH), bool)
   read[1, 2:12] = False
-  params = registered.drawn_where_zero(jax.jit(layer.init)(jax.random.key(0), x))
+  params = registered.drawn_where_zero(jax.jit(layer.init)(jax.random.key(0, impl=compiled.HASHED), x))
   params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   state = _random_like(layer.initialize_state((2, 4)), rng)
 
@@ -192,7 +193,7 @@ def test_model_across_devices_equals_one_device(name):
   # Padding at both ends, so that the last real step is on an inner device.
   mask = np.ones((2, LENGTH), bool)
   mask[0, :5] = mask[1, 14:] = False
-  variables = jax.jit(model.init)(jax.random.key(0), x, mask)
+  variables = jax.jit(model.init)(jax.random.key(0, impl=compiled.HASHED), x, mask)
   state = _random_like(model.initialize_state(x.shape[:1] if tokens else (2, 3)), rng)
   pooled = options["pooling"] != "none"
   out_spec = P() if pooled else TIME

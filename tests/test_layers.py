@@ -239,10 +239,10 @@ def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
       _assert_close(y[:, 6:], expected[:, 6:])
 
 
-# Mamba-3 turns its state by pi dt per step: thousands of radians at these step sizes, where
-# float32's spacing is 2.4e-4, so a rounding of the angle that differs between two compiled
-# programs moves the outputs by about that much (measured: 3.8e-4 of the largest).
-SATURATED_RTOL = {"Mamba3": 1e-3}
+# Saturated, Mamba-3's chunked forms round in float32 far more than its step loop: one draw of
+# parameters put them 2.0e-3 of the largest output from the float64 loop, the step loop 1.7e-5,
+# and in float64 every mode within 2e-12 of it (another draw: 3.8e-4 between the modes).
+SATURATED_RTOL = {"Mamba3": 5e-3}
 
 
 def test_inputs_that_saturate_every_gate_and_decay_stay_finite(layer):
