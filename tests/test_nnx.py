@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import compiled
 import registered
 import ssmkit.nnx as snx
 from ssmkit import layers
@@ -225,7 +226,7 @@ def test_bad_input_names_the_argument(layer):
 def test_layer_equals_linen_with_converted_parameters(name):
   factory, linen_layer = LAYERS[name]
   x, reset = _x((2, 13, WIDTH)), _resets((2, 13))
-  variables = jax.jit(linen_layer.init)(jax.random.key(3), x)
+  variables = compiled.init(linen_layer, x.shape, 3)
   layer = snx.from_linen(linen_layer, variables)
   assert type(layer) is factory.func and layer.features == WIDTH
   np.testing.assert_array_equal(_call(layer, x, reset), _apply(linen_layer)(variables, x, reset))
@@ -235,7 +236,7 @@ def test_layer_equals_linen_with_converted_parameters(name):
     _assert_trees_close(_step(layer, state, x[:, 0], reset[:, 0]),
                         _apply(linen_layer, "step")(variables, state, x[:, 0], reset[:, 0]))
   # And back: an NNX layer of its own parameters gives the linen layer that computes the same.
-  fresh = nnx.jit(lambda: factory(WIDTH, rngs=nnx.Rngs(1)))()
+  fresh = nnx.jit(lambda: factory(WIDTH, rngs=nnx.Rngs(jax.random.key(1, impl=compiled.HASHED))))()
   module, fresh_variables = snx.to_linen(fresh)
   assert module == linen_layer
   assert jax.tree.structure(fresh_variables) == jax.tree.structure(variables)
