@@ -47,7 +47,12 @@ def init(module: Any, shape: tuple[int, ...], seed: int = 0, dtype: str = "float
   """`module.init(key(seed), zeros(shape, dtype))`, compiled and computed once per argument,
   with a key of `HASHED` (the parameters' distributions are the initialisers', their values
   not those of JAX's default keys)."""
-  return jax.jit(module.init)(jax.random.key(seed, impl=HASHED), jnp.zeros(shape, dtype))
+  return jax.jit(module.init)(key(seed), jnp.zeros(shape, dtype))
+
+
+def key(seed: int) -> jax.Array:
+  """A key of `HASHED` for `seed`."""
+  return jax.random.key(seed, impl=HASHED)
 
 
 # Random draws are most of what an initialisation compiles: of 24 layers' `init` programs,

@@ -120,7 +120,7 @@ def test_layer_across_devices_equals_one_device(case):
   poisoned[1, 2, 1] = np.nan
   read = np.ones((2, LENGTH), bool)
   read[1, 2:12] = False
-  params = registered.drawn_where_zero(jax.jit(layer.init)(jax.random.key(0, impl=compiled.HASHED), x))
+  params = registered.drawn_where_zero(jax.jit(layer.init)(compiled.key(0), x))
   params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   state = _random_like(layer.initialize_state((2, 4)), rng)
 
@@ -193,7 +193,7 @@ def test_model_across_devices_equals_one_device(name):
   # Padding at both ends, so that the last real step is on an inner device.
   mask = np.ones((2, LENGTH), bool)
   mask[0, :5] = mask[1, 14:] = False
-  variables = jax.jit(model.init)(jax.random.key(0, impl=compiled.HASHED), x, mask)
+  variables = jax.jit(model.init)(compiled.key(0), x, mask)
   state = _random_like(model.initialize_state(x.shape[:1] if tokens else (2, 3)), rng)
   pooled = options["pooling"] != "none"
   out_spec = P() if pooled else TIME

@@ -236,7 +236,7 @@ def test_layer_equals_linen_with_converted_parameters(name):
     _assert_trees_close(_step(layer, state, x[:, 0], reset[:, 0]),
                         _apply(linen_layer, "step")(variables, state, x[:, 0], reset[:, 0]))
   # And back: an NNX layer of its own parameters gives the linen layer that computes the same.
-  fresh = nnx.jit(lambda: factory(WIDTH, rngs=nnx.Rngs(jax.random.key(1, impl=compiled.HASHED))))()
+  fresh = nnx.jit(lambda: factory(WIDTH, rngs=nnx.Rngs(compiled.key(1))))()
   module, fresh_variables = snx.to_linen(fresh)
   assert module == linen_layer
   assert jax.tree.structure(fresh_variables) == jax.tree.structure(variables)

@@ -200,10 +200,7 @@ def _memory_row(config: Any, devices: list[jax.Device], fsdp: int, model: Any = 
   abstract = jax.eval_shape(lambda: _setup(config, model))
   state, batch = abstract
   shardings = parallel.state_shardings(mesh, state)
-  split = parallel.split(mesh)
-  place = lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
-  args = (jax.tree.map(place, state, shardings),
-          jax.tree.map(lambda leaf: place(leaf, split), batch),
+  args = (parallel.shapes(state, shardings), parallel.shapes(batch, parallel.split(mesh)),
           jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh)))
   compiled = jax.jit(train_step, out_shardings=(shardings, parallel.replicated(mesh))).lower(
       *args).compile()
