@@ -236,7 +236,7 @@ def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_pa
                "model.scan_blocks=true", "model.mlp=experts",
                "model.experts={num_experts: 4, top_k: 2, width: 8, shared_width: 4}",
                "optimizer.warmup_steps=0", "train.steps=4", "train.log_every=1",
-               "train.eval_every=0"]
+               "train.eval_every=0", "samples.documents=0"]
   config = lambda *mesh: train.load_config("lm_hybrid", [*overrides, *mesh])
   mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.seq=2"]
   with jax.enable_x64(False):

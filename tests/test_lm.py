@@ -98,6 +98,8 @@ def test_evaluate_and_the_command_line_give_the_runs_results(tiny_run, capsys):
         ("data.validation_fraction=1.0", r"`data\.validation_fraction`"),
         ("model.pooling=mean", r"`model\.pooling`"),
         ("data.name=mnist1d", r"`data\.name`"),
+        ("samples.documents=-1", r"`samples\.documents` must be >= 0"),
+        ("samples.temperature=0", r"`samples\.temperature` must be > 0"),
         ("data.tokenizer={tmp}/missing.json", r"`data\.tokenizer` .*missing.json.* no such file"),
         ("data.eod_token=</s>", r"`data\.eod_token` '</s>' needs a `data\.tokenizer` file"),
     ],
@@ -175,29 +177,33 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(tiny_run, tmp_path)
 
 
 def test_each_evaluation_shows_continuations_of_held_out_documents(tiny_run):
-  """The first 24 bytes of the first two held-out documents, continued greedily (checked against
-  the argmax of the whole model re-run on the text so far) and sampled."""
+  """The first `samples.prompt_tokens` bytes of the first `samples.documents` held-out documents,
+  continued greedily (checked against the argmax of the whole model re-run on the text so far)
+  and sampled, each by up to `samples.new_tokens` bytes; `samples.documents=0` shows none."""
   corpus = tiny_run[0]
-  config = train.load_config("lm_gated_deltanet", [f"data.path={corpus}", *TINY])
+  shown = ["samples.documents=3", "samples.prompt_tokens=20", "samples.new_tokens=30"]
+  config = train.load_config("lm_gated_deltanet", [f"data.path={corpus}", *TINY, *shown])
   run = train.supervised.setup(config, lm_train.TASK)
-  lines = lm_train.samples(run, run.state)
+  lines = lm_train.samples(config, run, run.state)
   held_out = [d.text.encode() for d in data.split_documents(data.read_documents(corpus), 0.3)[1]]
-  starts = [text[:24] for text in held_out if len(text) >= 24][:2]
+  starts = [text[:20] for text in held_out if len(text) >= 20][:3]
   tokenizer = data.ByteTokenizer()
-  assert [line.split(" -> ")[0] for line in lines] == [
+  assert len(starts) == 3 and [line.split(" -> ")[0] for line in lines] == [
       f"{kind}: {tokenizer.decode(np.frombuffer(start, np.uint8))!r}"
       for kind in ("greedy", "sampled") for start in starts]
   apply = jax.jit(lambda tokens: run.model.apply({"params": run.state.params}, tokens))
-  for line, start in zip(lines[:2], starts, strict=True):
+  for line, start in zip(lines[:3], starts, strict=True):
     tokens = [256, *start]
-    while len(tokens) < 1 + 24 + 48:
-      padded = np.zeros((1, 1 + 24 + 48), np.int32)
+    while len(tokens) < 1 + 20 + 30:
+      padded = np.zeros((1, 1 + 20 + 30), np.int32)
       padded[0, :len(tokens)] = tokens
       token = int(np.argmax(apply(padded)[0, len(tokens) - 1]))
       if token == 256:
         break
       tokens.append(token)
-    assert line.split(" -> ")[1] == repr(tokenizer.decode(np.array(tokens[25:])))
+    assert line.split(" -> ")[1] == repr(tokenizer.decode(np.array(tokens[21:])))
+  none = train.load_config("lm_gated_deltanet", [f"data.path={corpus}", *TINY, "samples.documents=0"])
+  assert lm_train.samples(none, run, run.state) == []
 
 
 def test_a_run_with_a_tokenizer_file_reports_bits_per_byte_of_text(tmp_path, capsys):

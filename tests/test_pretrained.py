@@ -591,8 +591,9 @@ def _word_corpus(folder, seed=4):
   every fine-tuning test)."""
   folder.mkdir()
   rng = np.random.default_rng(seed)
+  prompt = train.lm.LMSamplesConfig.prompt_tokens
   for i in range(40):
-    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, lm_train.SAMPLE_PROMPT)))
+    words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, prompt)))
     (folder / f"doc{i}.txt").write_text(words, encoding="utf-8")
   return folder
 

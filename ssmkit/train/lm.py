@@ -1,6 +1,6 @@
 """Language models on text (`task: lm`): the config, the data it packs, and the entry points."""
 
-from ssmkit._src.train.lm.config import LMConfig, LMDataConfig
+from ssmkit._src.train.lm.config import LMConfig, LMDataConfig, LMSamplesConfig
 from ssmkit._src.train.lm.train import (
     complete,
     dataset,
@@ -14,6 +14,7 @@ from ssmkit._src.train.lm.train import (
 __all__ = [
     "LMConfig",
     "LMDataConfig",
+    "LMSamplesConfig",
     "complete",
     "dataset",
     "evaluate",

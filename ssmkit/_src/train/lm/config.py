@@ -46,6 +46,21 @@ class LMModelConfig(ModelConfig):
 
 
 @dataclasses.dataclass
+class LMSamplesConfig:
+  """The continuations of held-out text that a run prints after each evaluation."""
+
+  # How many held-out documents to continue (the first whose start fills a prompt), each
+  # greedily and sampled; 0: none, and no `generate` is compiled for them.
+  documents: int = 2
+  # Tokens of each document's start, after its end-of-document token, that prompt the model.
+  prompt_tokens: int = 24
+  # Tokens written after each prompt, fewer where the model ends the document first.
+  new_tokens: int = 48
+  # Temperature of the sampled continuations (seed 0); the greedy ones take the argmax.
+  temperature: float = 0.8
+
+
+@dataclasses.dataclass
 class LMConfig:
   """A language-model run on text: `ssmkit train CONFIG` with `task: lm` reads this."""
 
@@ -56,6 +71,7 @@ class LMConfig:
   optimizer: supervised.OptimizerConfig = dataclasses.field(default_factory=supervised.OptimizerConfig)
   train: supervised.TrainConfig = dataclasses.field(default_factory=supervised.TrainConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  samples: LMSamplesConfig = dataclasses.field(default_factory=LMSamplesConfig)
 
 
 # Each string field with the values it may take.
@@ -65,9 +81,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.pooling": ("none",),
 }
 # Each numeric field with the smallest value it may take.
-MINIMUMS: dict[str, float] = {**supervised.MINIMUMS, "data.seq_len": 2}
+MINIMUMS: dict[str, float] = {**supervised.MINIMUMS, "data.seq_len": 2, "samples.documents": 0,
+                               "samples.prompt_tokens": 1, "samples.new_tokens": 1}
 # Each numeric field that must be > 0.
-POSITIVE = supervised.POSITIVE
+POSITIVE = (*supervised.POSITIVE, "samples.temperature")
 
 
 def validate(config: LMConfig) -> LMConfig:

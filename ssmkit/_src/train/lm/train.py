@@ -128,30 +128,27 @@ def results(dataset: data.TextDataset, result: dict[str, float]) -> dict[str, fl
           "test_perplexity": math.exp(result["loss"]), "test_bits_per_byte": bits / max(text_bytes, 1)}
 
 
-# The samples after each evaluation: the first SAMPLE_PROMPT tokens of the first held-out
-# documents, continued by SAMPLE_TOKENS tokens, greedily and sampled.
-SAMPLE_DOCUMENTS, SAMPLE_PROMPT, SAMPLE_TOKENS = 2, 24, 48
-
-
-def samples(run: supervised.Setup, state: TrainState) -> list[str]:
-  """Continuations of the starts of the first held-out documents: greedy, and sampled at
-  temperature 0.8 (seed 0), each up to `SAMPLE_TOKENS` tokens or the end of the document.
+def samples(config: LMConfig, run: supervised.Setup, state: TrainState) -> list[str]:
+  """Continuations of the starts of the first held-out documents (`config.samples`): greedy,
+  and sampled (seed 0), each up to `samples.new_tokens` tokens or the end of the document.
 
   The prompts are the same at every evaluation, and one compiled `generate` serves both kinds.
   """
+  section = config.samples
   coder = run.dataset.tokenizer
   stream = run.dataset.x_test.reshape(-1)
   reset = run.dataset.reset_test.reshape(-1)
-  prompts = [stream[start:start + 1 + SAMPLE_PROMPT] for start in np.flatnonzero(reset)
-             if start + 1 + SAMPLE_PROMPT <= stream.size
-             and not reset[start + 1:start + 1 + SAMPLE_PROMPT].any()][:SAMPLE_DOCUMENTS]
+  length = 1 + section.prompt_tokens
+  prompts = [stream[start:start + length] for start in np.flatnonzero(reset)
+             if start + length <= stream.size
+             and not reset[start + 1:start + length].any()][:section.documents]
   if not prompts:
     return []
   lines = []
-  for kind, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+  for kind, temperature in (("greedy", 0.0), ("sampled", section.temperature)):
     written = np.asarray(layers.generate(
-        run.model, variables(state), np.stack(prompts), SAMPLE_TOKENS, rng=jax.random.key(0),
-        temperature=jnp.float32(temperature), eos_token=coder.eod))
+        run.model, variables(state), np.stack(prompts), section.new_tokens,
+        rng=jax.random.key(0), temperature=jnp.float32(temperature), eos_token=coder.eod))
     for prompt, tokens in zip(prompts, written, strict=True):
       lines.append(f"{kind}: {coder.decode(prompt)!r} -> {_until_the_end(tokens, coder)!r}")
   return lines

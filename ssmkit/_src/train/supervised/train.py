@@ -92,8 +92,9 @@ class Task(NamedTuple):
     dataset: the dataset of a checked config; raises `ConfigError` naming the key at fault.
     results: the test results from the dataset and the test split's mean "loss" and
       "accuracy" over its scored targets, the headline last.
-    samples: lines that show the model at work, printed after each evaluation during
-      training (a language model's continuations of held-out text); None for none.
+    samples: `(config, setup, state) -> lines` that show the model at work, printed after
+      each evaluation during training (a language model's continuations of held-out text);
+      None for none.
     model: the model of a checked config and its dataset: `(model, layer names, parameters)`,
       the parameters to start from or None to initialise them; by default the model of the
       config's `model` section, initialised (`configured_model`).
@@ -103,7 +104,7 @@ class Task(NamedTuple):
   validate: Callable[[Any], Any]
   dataset: Callable[[Any], data.SequenceDataset]
   results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
-  samples: Callable[[Setup, TrainState], list[str]] | None = None
+  samples: Callable[[Any, Setup, TrainState], list[str]] | None = None
   model: Callable[[Any, data.SequenceDataset], Built] = configured_model
 
 
@@ -297,7 +298,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
           }
         evaluated = _evaluate(task, run, test, state) if span.evaluate else None
         if evaluated and task.samples is not None:
-          for line in task.samples(run, state):
+          for line in task.samples(config, run, state):
             loop.write(line)
         evaluation = evaluated or evaluation
         loop.end(span, state, {"data": run.order.state()}, logged, evaluated)
