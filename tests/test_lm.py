@@ -4,6 +4,7 @@ import json
 import math
 import pathlib
 import re
+import shutil
 import signal
 
 import jax
@@ -243,14 +244,16 @@ PRETRAINED = pathlib.Path(__file__).parent / "fixtures" / "pretrained" / "mamba"
 
 def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
   """`model.pretrained`: the checkpoint's model and weights at step 0, its tokenizer.json for
-  the text, then training, evaluation and `generate` as for any run."""
+  the text, then training, evaluation and `generate` as for any run; the run's checkpoints
+  need no more than the published config.json (its weights are not read again)."""
+  published = shutil.copytree(PRETRAINED, tmp_path / "published")
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   rng = np.random.default_rng(4)
   for i in range(30):
     words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, 40)))
     (corpus / f"doc{i}.txt").write_text(words, encoding="utf-8")
-  overrides = [f"model.pretrained={PRETRAINED}", f"data.path={corpus}", *TINY]
+  overrides = [f"model.pretrained={published}", f"data.path={corpus}", *TINY]
   config = train.load_config("lm_mamba", overrides)
   with jax.enable_x64(False):
     run = train.supervised.setup(config, lm_train.TASK)
@@ -261,6 +264,10 @@ def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
     assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
   out = capsys.readouterr().out
   assert "mamba model with" in out and _last_line(out).startswith("test_bits_per_byte=")
+  (published / "model.safetensors").unlink()
+  np.testing.assert_allclose(train.evaluate(workdir)["test_loss"],
+                             json.loads((workdir / "summary.json").read_text())["test_loss"],
+                             rtol=1e-6)
   assert cli.main(["generate", "--workdir", str(workdir), "--prompt", "t5 t9", "--max-tokens", "4",
                    "--temperature", "0"]) == 0
   # Prompt and continuation decoded as one sequence: the word-level tokenizer's words apart.

@@ -109,6 +109,23 @@ def test_a_configuration_is_traced_once_however_often_it_loads():
   assert (again.hits, again.misses) == (traced.hits + 2, traced.misses)
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1"])
+def test_an_abstract_load_reads_config_json_alone(name, tmp_path):
+  """`abstract=True`: the model, and the shapes and dtypes of the variables that a load with
+  the weights gives (linen and NNX), from a folder that holds config.json and nothing else."""
+  (tmp_path / "config.json").write_bytes((FIXTURES / name / "config.json").read_bytes())
+  described = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
+  model, variables, config = ssmkit.pretrained.load(tmp_path, abstract=True)
+  loaded, weights, _ = ssmkit.pretrained.load(FIXTURES / name)
+  assert model == loaded and config["model_type"] == name
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(variables))
+  assert described(variables) == described(weights)
+  _, state, _ = ssmkit.pretrained.load(tmp_path, abstract=True, nnx=True)
+  assert described(state) == described(ssmkit.pretrained.load(FIXTURES / name, nnx=True)[1])
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match="no weights to load"):
+    ssmkit.pretrained.load(tmp_path)
+
+
 def _copy(tmp_path, name="mamba"):
   folder = tmp_path / name
   shutil.copytree(FIXTURES / name, folder)

@@ -45,9 +45,10 @@ MODEL_TYPES = {model_type: module for module in ARCHITECTURES.values()
                for model_type in (module.MODEL_TYPE, *getattr(module, "WRAPPERS", {}))}
 
 
-def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
+def checkpoint_directory(path_or_repo_id: str | pathlib.Path, *, weights: bool = True
+                         ) -> pathlib.Path:
   """A local checkpoint directory, or the hub snapshot of a repository id (needs a network and
-  `pip install "ssmkit[hub]"`).
+  `pip install "ssmkit[hub]"`): its JSON files, and its weights unless `weights` is False.
 
   Raises:
     CheckpointError: naming the path when it is neither a directory nor a repository id that
@@ -67,7 +68,8 @@ def checkpoint_directory(path_or_repo_id: str | pathlib.Path) -> pathlib.Path:
                           'the Hugging Face hub, `pip install "ssmkit[hub]"`, or download the '
                           "directory elsewhere and give its path.") from None
   try:
-    return pathlib.Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+    patterns = ["*.json", "*.safetensors"] if weights else ["*.json"]
+    return pathlib.Path(snapshot_download(name, allow_patterns=patterns))
   except Exception as error:  # the hub's errors: no network, no such repository, gated access
     raise CheckpointError(f"`path_or_repo_id` {name!r} could not be downloaded: {error}") from None
 
@@ -80,8 +82,8 @@ def _variable_shapes(model: SequenceModel) -> Any:
   return jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
 
 
-def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = False
-         ) -> tuple[Any, Any, dict[str, Any]]:
+def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = False,
+         abstract: bool = False) -> tuple[Any, Any, dict[str, Any]]:
   """A published checkpoint as an ssmkit language model: `(model, variables, config)`.
 
   Reads `config.json` and the safetensors weights (one file or the shards of an index) of a
@@ -95,10 +97,15 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
       "state-spaces/mamba-130m-hf" (downloaded with `huggingface_hub`, the `hub` extra).
     dtype: the model's computation dtype (e.g. `jnp.bfloat16`); None: float32.
     nnx: return the NNX twin (`ssmkit.nnx.SequenceModel`) instead of the linen model.
+    abstract: read config.json alone: the variables are `jax.ShapeDtypeStruct`s of the
+      checkpoint's shapes and float32 (e.g. the template of a checkpoint of a fine-tuning run,
+      or a model of the same architecture to initialise afresh), and no weights are read or
+      downloaded.
 
   Returns:
     `(model, variables, config)`: the linen model and `{"params": ...}`, or with `nnx` the NNX
-    model and its `nnx.state`; and the checkpoint's config.json as a dict. Tokens in, logits
+    model and its `nnx.state` (with `abstract`, an NNX model of `jax.ShapeDtypeStruct`s, as
+    `nnx.eval_shape` builds it); and the checkpoint's config.json as a dict. Tokens in, logits
     out: `model.apply(variables, ids)` (linen) or `model(ids)` (NNX), and
     `ssmkit.layers.generate` continues a prompt.
 
@@ -116,7 +123,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
      'RecurrentGemmaForCausalLM']
   """
   check_float_dtype(dtype, "dtype")
-  directory = checkpoint_directory(path_or_repo_id)
+  directory = checkpoint_directory(path_or_repo_id, weights=not abstract)
   values = read_config(directory)
   fields = Fields(values, directory / CONFIG)
   architecture = _architecture(fields)
@@ -130,17 +137,21 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     shapes = _variable_shapes(model)
   except ValueError as error:
     raise CheckpointError(f"{fields.source} gives a model ssmkit cannot build: {error}") from None
-  tensors = Tensors(read_weights(directory), directory, ignored=ignored, renamed=renamed)
-  params = architecture.params(tensors, fields, model)
-  tensors.finish()
-  _check_tree(shapes["params"], params, directory)
-  variables = {"params": jax.tree.map(np.asarray, params)}
+  if abstract:
+    variables = {"params": shapes["params"]}
+  else:
+    tensors = Tensors(read_weights(directory), directory, ignored=ignored, renamed=renamed)
+    params = architecture.params(tensors, fields, model)
+    tensors.finish()
+    _check_tree(shapes["params"], params, directory)
+    variables = {"params": jax.tree.map(np.asarray, params)}
   if nnx:
     from flax import nnx as flax_nnx
 
     from ssmkit._src.nnx.convert import from_linen
 
-    twin = from_linen(model, variables)
+    convert = lambda variables: from_linen(model, variables)
+    twin = flax_nnx.eval_shape(convert, variables) if abstract else convert(variables)
     return twin, flax_nnx.state(twin), values
   return model, variables, values
 

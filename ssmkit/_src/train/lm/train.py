@@ -71,9 +71,9 @@ def _tokenizer_path(config: LMConfig) -> str | None:
     return str(tokenizer_file(config.model.pretrained))
 
 
-def model(config: LMConfig, dataset: data.TextDataset) -> supervised.Built:
-  """The model of a run: `model.pretrained`'s checkpoint with its weights, or the `model`
-  section's (`supervised.Task.model`).
+def model(config: LMConfig, dataset: data.TextDataset, abstract: bool = False) -> supervised.Built:
+  """The model of a run: `model.pretrained`'s checkpoint with its weights (their shapes alone
+  with `abstract`: none is read), or the `model` section's (`supervised.Task.model`).
 
   Raises:
     ConfigError: naming `model.pretrained` when the checkpoint cannot be loaded or its
@@ -83,7 +83,7 @@ def model(config: LMConfig, dataset: data.TextDataset) -> supervised.Built:
   if section.pretrained is None:
     return supervised.configured_model(config, dataset)
   with _checkpoint_errors():
-    network, variables, _ = pretrained.load(section.pretrained)
+    network, variables, _ = pretrained.load(section.pretrained, abstract=abstract)
   if network.vocab_size < dataset.vocab_size:
     raise ConfigError(f"`model.pretrained`: the checkpoint reads {network.vocab_size} tokens, fewer "
                       f"than its tokenizer's {dataset.vocab_size}.")

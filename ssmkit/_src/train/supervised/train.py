@@ -76,8 +76,10 @@ class Setup(NamedTuple):
 Built = tuple[layers.SequenceModel, tuple[str, ...], Any]
 
 
-def configured_model(config: Any, dataset: data.SequenceDataset) -> Built:
-  """The model of the config's `model` section for `dataset` (`build_model`), to initialise."""
+def configured_model(config: Any, dataset: data.SequenceDataset, abstract: bool = False) -> Built:
+  """The model of the config's `model` section for `dataset` (`build_model`), to initialise
+  (so `abstract` changes nothing)."""
+  del abstract
   return (build_model(config.model, dataset.num_classes, dataset.vocab_size),
           layer_names(config.model), None)
 
@@ -95,9 +97,11 @@ class Task(NamedTuple):
     samples: `(config, setup, state) -> lines` that show the model at work, printed after
       each evaluation during training (a language model's continuations of held-out text);
       None for none.
-    model: the model of a checked config and its dataset: `(model, layer names, parameters)`,
-      the parameters to start from or None to initialise them; by default the model of the
-      config's `model` section, initialised (`configured_model`).
+    model: the model of a checked config and its dataset, `(config, dataset, abstract) ->
+      (model, layer names, parameters)`: the parameters to start from or None to initialise
+      them, with `abstract` their shapes and dtypes (`jax.ShapeDtypeStruct`s) where only those
+      are needed; by default the model of the config's `model` section, initialised
+      (`configured_model`).
   """
 
   schema: type
@@ -105,7 +109,7 @@ class Task(NamedTuple):
   dataset: Callable[[Any], data.SequenceDataset]
   results: Callable[[data.SequenceDataset, dict[str, float]], dict[str, float]]
   samples: Callable[[Any, Setup, TrainState], list[str]] | None = None
-  model: Callable[[Any, data.SequenceDataset], Built] = configured_model
+  model: Callable[[Any, data.SequenceDataset, bool], Built] = configured_model
 
 
 def _load_dataset(config: DataConfig) -> data.SequenceDataset:
@@ -163,15 +167,16 @@ def setup(config: Any, task: Task = SUPERVISED, *, abstract: bool = False) -> Se
   task.validate(config)
   dataset = task.dataset(config)
   mesh = parallel.make_mesh(config.mesh, config.data.batch_size, "data.batch_size")
-  model, names, params = task.model(config, dataset)
+  model, names, params = task.model(config, dataset, abstract)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
   tx = make_optimizer(config.optimizer, names, length)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
   _check_split_over_time(config, mesh, example["x"].shape[1])
-  build = lambda: create_train_state(model, tx, example, params_key, config.model.mode, params=params)
-  state = jax.eval_shape(build) if abstract else build()
+  build = lambda params: create_train_state(model, tx, example, params_key, config.model.mode,
+                                            params=params)
+  state = jax.eval_shape(build, params) if abstract else build(params)
   state = state.replace(apply_fn=parallel.over_time(state.apply_fn, mesh, model.pooling == "none"))
   shardings = parallel.state_shardings(mesh, state)
   state = (parallel.shapes if abstract else parallel.place)(state, shardings)
