@@ -244,8 +244,8 @@ PRETRAINED = pathlib.Path(__file__).parent / "fixtures" / "pretrained" / "mamba"
 
 def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
   """`model.pretrained`: the checkpoint's model and weights at step 0, its tokenizer.json for
-  the text, then training, evaluation and `generate` as for any run; the run's checkpoints
-  need no more than the published config.json (its weights are not read again)."""
+  the text, then training, evaluation and `generate` as for any run; evaluating and resuming
+  the run need no more than the published config.json (its weights are not read again)."""
   published = shutil.copytree(PRETRAINED, tmp_path / "published")
   corpus = tmp_path / "corpus"
   corpus.mkdir()
@@ -265,9 +265,13 @@ def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "mamba model with" in out and _last_line(out).startswith("test_bits_per_byte=")
   (published / "model.safetensors").unlink()
-  np.testing.assert_allclose(train.evaluate(workdir)["test_loss"],
-                             json.loads((workdir / "summary.json").read_text())["test_loss"],
+  loss = json.loads((workdir / "summary.json").read_text())["test_loss"]
+  np.testing.assert_allclose(train.evaluate(workdir)["test_loss"], loss, rtol=1e-6)
+  with jax.enable_x64(False):  # resumed at its last step: restored and evaluated again
+    assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
+  np.testing.assert_allclose(json.loads((workdir / "summary.json").read_text())["test_loss"], loss,
                              rtol=1e-6)
+  capsys.readouterr()
   assert cli.main(["generate", "--workdir", str(workdir), "--prompt", "t5 t9", "--max-tokens", "4",
                    "--temperature", "0"]) == 0
   # Prompt and continuation decoded as one sequence: the word-level tokenizer's words apart.

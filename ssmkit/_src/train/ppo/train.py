@@ -151,8 +151,9 @@ def train_and_evaluate(config: PPOConfig, workdir: str | pathlib.Path, *,
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
   started = time.perf_counter()
-  run = setup(config)
   previous = workdirs.previous_run(workdir, PPOConfig)
+  # As a supervised run: a resumed run's state is restored into its shapes, not built first.
+  run = setup(config, abstract=previous is not None)
   if previous is not None:
     workdirs.check_same_run(workdir, previous, config, ("env", "model"))
     if config.ppo.anneal:

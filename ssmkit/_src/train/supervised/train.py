@@ -256,8 +256,10 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path, *,
     Interrupted: after saving a checkpoint on SIGINT or SIGTERM.
   """
   started = time.perf_counter()
-  run = setup(config, task)
   previous = workdirs.previous_run(workdir, task.schema)
+  # A resumed run restores its checkpoint into the state's shapes: nothing is initialised (or
+  # read from a published checkpoint) only to be overwritten.
+  run = setup(config, task, abstract=previous is not None)
   if previous is not None:
     workdirs.check_same_run(workdir, previous, config, ("data", "model"))
     if config.optimizer.schedule == "cosine":
