@@ -6,7 +6,7 @@
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
     ssmkit generate (--workdir DIR | --pretrained DIR_OR_ID) [--prompt TEXT] [--max-tokens N] ...
-    ssmkit export --workdir DIR [--step N] OUTPUT
+    ssmkit export --workdir DIR [--step N] [--dtype D] OUTPUT
     ssmkit configs
     ssmkit --version
 
@@ -242,7 +242,8 @@ def _run_export(args: argparse.Namespace) -> int:
                               "the language model of a `task: lm` run.")
     model, variables, config = train.load(args.workdir, args.step)
     folder = pretrained.save(model, variables, args.output,
-                             source=config.model.pretrained or config.data.tokenizer)
+                             source=config.model.pretrained or config.data.tokenizer,
+                             dtype=args.dtype)
   except (FileNotFoundError, ValueError) as error:  # ConfigError and CheckpointError included
     print(f"ssmkit export: error: {error}", file=sys.stderr)
     return 2
@@ -255,6 +256,9 @@ def _add_export(parser: argparse.ArgumentParser) -> None:
                       help="the workdir of a `task: lm` run")
   parser.add_argument("--step", type=int, default=None,
                       help="the checkpoint's step; default: the latest")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="the tensors' dtype (bfloat16: half the size, rounded to nearest); "
+                      "default: float32, which loads back bit for bit")
   parser.add_argument("output", type=pathlib.Path, help="the folder to write")
   parser.set_defaults(run=_run_export)
 

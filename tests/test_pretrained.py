@@ -470,6 +470,41 @@ def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
                variables)
 
 
+def _nearest_bfloat16(x):
+  """float32 values rounded to the nearest bfloat16 (8 significant bits, ties to even), in
+  float64 NumPy."""
+  mantissa, exponent = np.frexp(np.asarray(x, np.float64))
+  return np.ldexp(np.round(mantissa * 256) / 256, exponent)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "kimi_linear", "nemotron_h"])
+def test_save_in_bfloat16_rounds_every_tensor_but_those_transformers_keeps_in_float32(name, tmp_path):
+  """`dtype="bfloat16"`: each tensor is the float32 one rounded to the nearest bfloat16, but the
+  tensors `transformers` keeps in float32 (Kimi Linear's and Nemotron-H's routers and
+  correction biases, Kimi Linear's `dt_bias`), written as they are; config.json says so, and the
+  checkpoint loads back to those values exactly."""
+  model, variables, _ = ssmkit.pretrained.load(FIXTURES / name)
+  for dtype in ("float32", "bfloat16"):
+    ssmkit.pretrained.save(model, variables, tmp_path / dtype, source=FIXTURES / name, dtype=dtype)
+  full, half = (load_file(tmp_path / dtype / "model.safetensors") for dtype in ("float32", "bfloat16"))
+  kept = {"mamba2": (), "kimi_linear": ("gate.weight", "e_score_correction_bias", "dt_bias"),
+          "nemotron_h": ("gate.weight", "e_score_correction_bias")}[name]
+  assert sorted(half) == sorted(full)
+  assert {k for k in half if half[k].dtype == np.float32} == {k for k in full if any(
+      part in k for part in kept)} and (not kept or any(half[k].dtype == np.float32 for k in half))
+  for key, value in half.items():
+    expected = full[key] if value.dtype == np.float32 else _nearest_bfloat16(full[key])
+    assert value.dtype in (np.float32, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(value, np.float64), expected, err_msg=key)
+  assert json.loads((tmp_path / "bfloat16" / "config.json").read_text())["dtype"] == "bfloat16"
+  loaded, rounded, _ = ssmkit.pretrained.load(tmp_path / "bfloat16")
+  ssmkit.pretrained.save(loaded, rounded, tmp_path / "again")
+  for key, value in load_file(tmp_path / "again" / "model.safetensors").items():
+    np.testing.assert_array_equal(value, np.asarray(half[key], np.float32), err_msg=key)
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"`dtype` must be one of "):
+    ssmkit.pretrained.save(model, variables, tmp_path / "int8", dtype="int8")
+
+
 def test_save_names_what_no_architecture_expresses(tmp_path):
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba2")
   cases = [
@@ -552,6 +587,17 @@ def test_transformers_loads_what_save_writes(name, tmp_path):
   with torch.no_grad():
     logits = loaded(torch.as_tensor(expected["input_ids"], dtype=torch.long)).logits.numpy()
   assert _relative_error(logits, expected["logits"]) < 1e-4
+  # In bfloat16, computed in float32 by both: rounded weights move the float32 disagreement
+  # of the two implementations (up to 1.0e-4 for Qwen3.5 in one run).
+  ssmkit.pretrained.save(model, variables, tmp_path / "half", source=FIXTURES / name,
+                         dtype="bfloat16")
+  rounded = ssmkit.pretrained.load(tmp_path / "half")[1]
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "half",
+                                                             dtype=torch.float32).eval()
+  with torch.no_grad():
+    logits = loaded(torch.as_tensor(expected["input_ids"], dtype=torch.long)).logits.numpy()
+  ours = np.asarray(compiled.run(model)(rounded, expected["input_ids"]), np.float64)
+  assert _relative_error(logits, ours) < 3e-4
 
 
 @pytest.mark.parametrize("name", ["recurrent_gemma", "qwen3_5"])
@@ -663,6 +709,10 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
   for carried in ("tokenizer.json", "generation_config.json"):
     assert (out / carried).read_bytes() == (FIXTURES / name / carried).read_bytes()
   if name == "mamba":  # the tokenizer in use (the other fixtures carry the same files)
+    assert cli.main(["export", "--workdir", str(workdir), "--dtype", "bfloat16",
+                     str(tmp_path / "half")]) == 0
+    assert {v.dtype for v in load_file(tmp_path / "half" / "model.safetensors").values()} == {
+        np.dtype(jnp.bfloat16)}
     capsys.readouterr()
     assert cli.main(["generate", "--pretrained", str(out), "--prompt", "t5 t9", "--max-tokens",
                      "4", "--temperature", "0"]) == 0

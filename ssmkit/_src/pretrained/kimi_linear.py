@@ -41,6 +41,10 @@ from ssmkit._src.pretrained.mamba import FLAX_RMS_EPS, head
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 MODEL_TYPE = "kimi_linear"  # what `transformers` reads to pick the architecture
+# The tensors that `transformers` keeps in float32 whatever the model's dtype (parts of the
+# names in its `_keep_in_fp32_modules_strict`): the routers, their correction biases and the
+# delta attention's `dt_bias`.
+FLOAT32_TENSORS = ("e_score_correction_bias", "gate.weight", "dt_bias")
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (KimiDeltaAttention, LatentAttention, FeedForward)
 REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "pooling": "none",

@@ -35,6 +35,9 @@ from ssmkit._src.pretrained.mamba import embedding_and_head, head_tensors
 
 ARCHITECTURE = "NemotronHForCausalLM"
 MODEL_TYPE = "nemotron_h"  # what `transformers` reads to pick the architecture
+# The tensors that `transformers` keeps in float32 whatever the model's dtype (parts of the
+# names in its `_keep_in_fp32_modules_strict`): the routers and their correction biases.
+FLOAT32_TENSORS = ("e_score_correction_bias", "gate.weight")
 # The layers of its models, and the model options it has (`save` checks them).
 LAYERS = (Mamba2, Attention, FeedForward)
 REQUIRED = {"block": "mixer", "norm": "rms", "mlp": "none", "prenorm": True, "pooling": "none",

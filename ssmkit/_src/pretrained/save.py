@@ -8,6 +8,7 @@ import shutil
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
@@ -28,11 +29,13 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
                  "generation_config.json")
 CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The dtypes `save` writes tensors in, by the name config.json gives them.
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
-         source: str | pathlib.Path | None = None, architecture: str | None = None
-         ) -> pathlib.Path:
+         source: str | pathlib.Path | None = None, architecture: str | None = None,
+         dtype: Any = None) -> pathlib.Path:
   """Writes `model` as `config.json` and `model.safetensors` that `transformers` loads as the
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
@@ -51,15 +54,21 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
       Where more than one architecture expresses the model, the source's own is written.
     architecture: the architecture to write (an `ARCHITECTURES` name) where more than one
       expresses the model; None: the source's, else the first of `WRITTEN`.
+    dtype: the tensors' dtype, a name of `DTYPES` or a NumPy / JAX dtype; None: float32, which
+      `load` reads back bit for bit. bfloat16 and float16 round to nearest (even), as
+      `torch.Tensor.to` does, but for the tensors that `transformers` keeps in float32 for
+      this architecture (Kimi Linear's and Nemotron-H's routers, their correction biases, Kimi
+      Linear's `dt_bias`), which stay float32 as its `save_pretrained` writes them.
 
   Returns:
     The directory.
 
   Raises:
     CheckpointError: naming the model option that no architecture expresses (another layer,
-      an MLP where the architecture has none, a decoder bias that is not zero...), or an
-      `architecture` that does not express it.
+      an MLP where the architecture has none, a decoder bias that is not zero...), an
+      `architecture` that does not express it, or a `dtype` not in `DTYPES`.
   """
+  written = "float32" if dtype is None else _dtype_name(dtype)
   if not isinstance(model, SequenceModel):
     from ssmkit._src.nnx.convert import to_linen
 
@@ -74,8 +83,11 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   # Special tokens unknown without a source, rather than the architecture's defaults, which
   # need not lie in this model's vocabulary.
   config = {"architectures": [architecture.ARCHITECTURE], **fields,
-            "vocab_size": model.vocab_size, "dtype": "float32",
+            "vocab_size": model.vocab_size, "dtype": written,
             **dict.fromkeys(CARRIED_FIELDS)}
+  kept = getattr(architecture, "FLOAT32_TENSORS", ())
+  tensors = {name: value if any(part in name for part in kept) else value.astype(DTYPES[written])
+             for name, value in tensors.items()}
   from safetensors.numpy import save_file
 
   folder = pathlib.Path(directory)
@@ -86,6 +98,17 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
             str(folder / SINGLE), metadata={"format": "pt"})
   return folder
+
+
+def _dtype_name(dtype: Any) -> str:
+  """The `DTYPES` name of `dtype`."""
+  try:
+    name = np.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in DTYPES:
+    raise CheckpointError(f"`dtype` must be one of {tuple(DTYPES)}, got {dtype!r}.")
+  return name
 
 
 def _source_architecture(source: str | pathlib.Path | None) -> str | None:
