@@ -15,8 +15,14 @@ a constant (norm scales of 1, zero biases) and a mapping error shows in the logi
 This script needs torch and transformers, which the test extra does not install; run it in
 a separate environment, from the repository root:
 
-    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
+    python -m venv /tmp/hf
+    /tmp/hf/bin/pip install torch==2.13.0 transformers safetensors numpy accelerate
     /tmp/hf/bin/python scripts/make_pretrained_fixtures.py [NAME ...]   # all, or these
+
+`QUANTIZED` fixtures are another fixture's checkpoint quantized to float8 by `transformers`' own
+block-wise quantizer (FineGrainedFP8, the format of Qwen's "-FP8" releases), their expected
+outputs those of the model `transformers` loads from them (on a CPU it dequantizes the weights,
+which needs `accelerate`).
 
 The suite reads the files it writes; it never imports torch.
 """
@@ -25,11 +31,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
+import types
 
 import numpy as np
 import tokenizers
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "pretrained"
 VOCAB, BATCH, LENGTH, NEW_TOKENS = 96, 2, 40, 20
@@ -194,6 +203,10 @@ MODELS = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}
 
 
+# Each float8 fixture: the fixture it quantizes and its blocks (dividing the tiny models' widths).
+QUANTIZED = {"qwen3_next_fp8": ("qwen3_next", (8, 8))}
+
+
 def _noisy(model: torch.nn.Module, seed: int) -> None:
   generator = torch.Generator().manual_seed(seed)
   # The buffers the checkpoint holds as weights: Nemotron-H's expert score corrections.
@@ -222,9 +235,12 @@ def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> Non
   folder.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(folder, safe_serialization=True)
   _tokenizer().save(str(folder / "tokenizer.json"))
-  rng = np.random.default_rng(seed)
-  length = 13 if name in SHORT else LENGTH
-  ids = rng.integers(3, VOCAB, (BATCH, length))
+  _expect(model, folder, seed, 13 if name in SHORT else LENGTH)
+
+
+def _expect(model: torch.nn.Module, folder: pathlib.Path, seed: int, length: int) -> None:
+  """Writes `expected.npz` (the ids, their logits and greedy continuation) and `made_by.json`."""
+  ids = np.random.default_rng(seed).integers(3, VOCAB, (BATCH, length))
   with torch.no_grad():
     logits = model(torch.as_tensor(ids)).logits.float().numpy()
     written = model.generate(torch.as_tensor(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
@@ -235,11 +251,42 @@ def make(name: str, config: transformers.PretrainedConfig, seed: int = 0) -> Non
   versions = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": seed}
   (folder / "made_by.json").write_text(json.dumps(versions, indent=2) + "\n")
   size = sum(f.stat().st_size for f in folder.iterdir())
-  print(f"{name}: {size / 1024:.0f} KiB in {folder}")
+  print(f"{folder.name}: {size / 1024:.0f} KiB in {folder}")
+
+
+def make_quantized(name: str, seed: int = 0) -> None:
+  """The fixture `QUANTIZED[name]` names, its linear layers' weights quantized by transformers'
+  `Fp8Quantize` (float8 e4m3 weights, float32 `weight_scale_inv` per block), the embeddings,
+  the head and what does not fill whole blocks left as they are."""
+  from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+  source, block = QUANTIZED[name]
+  folder = ROOT / name
+  shutil.rmtree(folder, ignore_errors=True)
+  shutil.copytree(ROOT / source, folder, ignore=shutil.ignore_patterns("expected.npz", "made_by.json"))
+  config = json.loads((folder / "config.json").read_text())
+  settings = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+  quantize = Fp8Quantize(types.SimpleNamespace(
+      quantization_config=transformers.FineGrainedFP8Config(weight_block_size=block)))
+  tensors = {}
+  for key, value in load_file(folder / "model.safetensors").items():
+    linear = (key.endswith(".weight") and value.ndim == 2 and "embed_tokens" not in key
+              and "lm_head" not in key)
+    tensors.update(quantize._quantize_one(key, value) if linear else {key: value})
+  save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+  config["quantization_config"] = settings
+  (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  assert all(p.dtype == torch.float32 for p in model.parameters()), "not dequantized"
+  _expect(model, folder, seed, 13 if source in SHORT else LENGTH)
+  print(f"{name}: {sum(v.dtype == torch.float8_e4m3fn for v in tensors.values())} float8 tensors")
 
 
 if __name__ == "__main__":
   import sys
 
-  for name in sys.argv[1:] or CONFIGS:
-    make(name, CONFIGS[name])
+  for name in sys.argv[1:] or [*CONFIGS, *QUANTIZED]:
+    if name in QUANTIZED:
+      make_quantized(name)
+    else:
+      make(name, CONFIGS[name])

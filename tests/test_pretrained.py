@@ -27,6 +27,7 @@ from ssmkit import cli, layers, train
 from ssmkit._src.pretrained import load as pretrained_load
 from ssmkit._src.pretrained import olmo_hybrid, qwen3_5
 from ssmkit._src.pretrained.config import Fields
+from ssmkit._src.pretrained.files import read_weights
 from ssmkit._src.pretrained.save import CARRIED_FIELDS
 from ssmkit._src.train.lm import train as lm_train
 
@@ -44,7 +45,9 @@ ARCHITECTURES = {"mamba": "MambaForCausalLM", "mamba_bias": "MambaForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", "jamba": "JambaForCausalLM",
                  "lfm2": "Lfm2ForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
                  "olmo_hybrid": "OlmoHybridForCausalLM",
-                 "kimi_linear": "KimiLinearForCausalLM"}
+                 "kimi_linear": "KimiLinearForCausalLM",
+                 # Qwen3-Next's fixture quantized to float8 in blocks, as its "-FP8" release
+                 "qwen3_next_fp8": "Qwen3NextForCausalLM"}
 # What `save` writes each as: an image-text checkpoint's language model alone.
 SAVED_AS = {**ARCHITECTURES, "qwen3_5": "Qwen3_5ForCausalLM",
             "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -214,6 +217,61 @@ def test_a_checkpoint_that_does_not_fit_is_named(change, message, tmp_path):
   change(folder)
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
     ssmkit.pretrained.load(folder)
+
+
+EXPERT = "model.layers.2.mlp.experts.1.up_proj"  # a linear layer of the float8 fixture
+
+
+def _edit_float8(folder, edit):
+  """`_edit_weights` for a checkpoint with float8 tensors, which safetensors' NumPy reader
+  does not take."""
+  tensors = read_weights(folder)
+  edit(tensors)
+  save_jax({name: jnp.asarray(value) for name, value in tensors.items()},
+           str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda f: _edit_config(f, quantization_config={"quant_method": "bitsandbytes"}),
+         r"`quantization_config.quant_method` 'bitsandbytes': ssmkit loads the float8 "),
+        (lambda f: _edit_config(f, quantization_config={
+            "quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [8, 8]}),
+         r"`quantization_config.activation_scheme` 'static'"),
+        (lambda f: _edit_config(f, quantization_config={"quant_method": "fp8",
+                                                        "weight_block_size": [16, 8]}),
+         r"the scales '[\w.]+_scale_inv' have shape \(\d+, \d+\), expected \(\d+, \d+\): "
+         r"one per block of 16 x 8"),
+        (lambda f: _drop_config_field(f, "quantization_config"),
+         r"the weight '[\w.]+' is float8, but config.json has no `quantization_config`"),
+        (lambda f: _edit_float8(f, lambda t: t.pop(f"{EXPERT}.weight_scale_inv")),
+         rf"the weight '{EXPERT}.weight' is float8 without scales"),
+        (lambda f: _edit_float8(f, lambda t: t.pop(f"{EXPERT}.weight")),
+         rf"the scales '{EXPERT}.weight_scale_inv' have no weight"),
+    ],
+)
+def test_a_float8_checkpoint_that_does_not_fit_is_named(change, message, tmp_path):
+  folder = _copy(tmp_path, "qwen3_next_fp8")
+  change(folder)
+  with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
+    ssmkit.pretrained.load(folder)
+
+
+def test_float8_tensors_read_as_written(tmp_path):
+  """Each float8 dtype of safetensors (which its NumPy reader does not take) beside others."""
+  rng = np.random.default_rng(0)
+  written = {"e4m3": rng.normal(size=(3, 5)).astype(jnp.float8_e4m3fn),
+             "e5m2": rng.normal(size=(2, 7)).astype(jnp.float8_e5m2),
+             "e8m0": (2.0 ** rng.integers(-5, 5, (4,))).astype(jnp.float8_e8m0fnu),
+             "float": rng.normal(size=(3,)).astype(np.float32)}
+  save_jax({name: jnp.asarray(value) for name, value in written.items()},
+           str(tmp_path / "model.safetensors"))
+  read = read_weights(tmp_path)
+  assert sorted(read) == sorted(written)
+  for name, value in written.items():
+    assert read[name].dtype == value.dtype and read[name].shape == value.shape
+    np.testing.assert_array_equal(read[name].astype(np.float32), value.astype(np.float32))
 
 
 def test_a_config_without_architectures_loads_by_its_model_type(tmp_path):

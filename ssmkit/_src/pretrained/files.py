@@ -2,7 +2,8 @@
 
 A directory holds `config.json` and either one `model.safetensors` or shards listed by
 `model.safetensors.index.json`. Weights are read by `safetensors` into NumPy arrays (bfloat16
-ones included), each named by its tensor name; every error names the file and tensor.
+ones included; float8 ones, which its NumPy reader does not know, from the file's header and
+bytes), each named by its tensor name; every error names the file and tensor.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# The float8 dtypes of safetensors, by the names its header gives them.
+FLOAT8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2, "F8_E8M0": jnp.float8_e8m0fnu}
 
 
 class CheckpointError(ValueError):
@@ -49,8 +53,6 @@ def read_weights(directory: pathlib.Path) -> dict[str, np.ndarray]:
     CheckpointError: naming the file when there are no weights, an index names a missing
       shard, or a file is not safetensors.
   """
-  from safetensors.numpy import load_file
-
   index = directory / INDEX
   if index.is_file():
     weight_map = json.loads(index.read_text()).get("weight_map")
@@ -68,9 +70,29 @@ def read_weights(directory: pathlib.Path) -> dict[str, np.ndarray]:
     if not path.is_file():
       raise CheckpointError(f"{index} lists the shard {name}, which {directory} does not hold.")
     try:
-      tensors.update(load_file(str(path)))
+      tensors.update(_read(path))
     except Exception as error:  # safetensors raises its own error types for bad files
       raise CheckpointError(f"{path} cannot be read as safetensors: {error}.") from None
+  return tensors
+
+
+def _read(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """The tensors of one safetensors file."""
+  from safetensors import safe_open
+
+  with safe_open(str(path), framework="numpy") as file:
+    names = list(file.keys())
+    float8 = {name for name in names if file.get_slice(name).get_dtype() in FLOAT8}
+    tensors = {name: file.get_tensor(name) for name in names if name not in float8}
+  if float8:
+    with path.open("rb") as file:  # 8 bytes of header size, the JSON header, then the data
+      size = int.from_bytes(file.read(8), "little")
+      header = json.loads(file.read(size))
+      for name in float8:
+        start, stop = header[name]["data_offsets"]
+        file.seek(8 + size + start)
+        tensors[name] = np.frombuffer(file.read(stop - start), FLOAT8[header[name]["dtype"]]
+                                      ).reshape(header[name]["shape"])
   return tensors
 
 

@@ -31,6 +31,7 @@ from ssmkit._src.pretrained import (
 )
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.files import CONFIG, CheckpointError, Tensors, read_config, read_weights
+from ssmkit._src.pretrained.quantized import dequantized
 
 # The module of each architecture, in the order `save` prefers them where several express a
 # model (Granite's before Bamba's, whose models it extends).
@@ -140,7 +141,8 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   if abstract:
     variables = {"params": shapes["params"]}
   else:
-    tensors = Tensors(read_weights(directory), directory, ignored=ignored, renamed=renamed)
+    tensors = Tensors(dequantized(read_weights(directory), values, directory), directory,
+                      ignored=ignored, renamed=renamed)
     params = architecture.params(tensors, fields, model)
     tensors.finish()
     _check_tree(shapes["params"], params, directory)

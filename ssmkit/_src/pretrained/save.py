@@ -8,7 +8,7 @@ import shutil
 from typing import Any
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
@@ -30,7 +30,7 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "generation_config.json")
 CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The dtypes `save` writes tensors in, by the name config.json gives them.
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
