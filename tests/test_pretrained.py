@@ -563,6 +563,27 @@ def test_save_in_bfloat16_rounds_every_tensor_but_those_transformers_keeps_in_fl
     ssmkit.pretrained.save(model, variables, tmp_path / "int8", dtype="int8")
 
 
+def test_save_shards_a_checkpoint_past_shard_bytes(tmp_path):
+  """Past `shard_bytes`, shards of at most that many bytes with an index naming every tensor's
+  file, as `save_pretrained` writes them; saved again in one file, the shards and index go."""
+  model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba")
+  ssmkit.pretrained.save(model, variables, tmp_path, shard_bytes=20_000)
+  index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+  shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+  assert len(shards) > 1 and [p.name for p in shards] == [
+      f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+  tensors = {p.name: load_file(p) for p in shards}
+  assert all(sum(v.nbytes for v in held.values()) <= 20_000 or len(held) == 1
+             for held in tensors.values())
+  assert index["weight_map"] == {name: file for file, held in tensors.items() for name in held}
+  assert index["metadata"]["total_size"] == sum(
+      v.nbytes for held in tensors.values() for v in held.values())
+  jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path)[1], variables)
+  ssmkit.pretrained.save(model, variables, tmp_path)
+  assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+  jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path)[1], variables)
+
+
 def test_save_names_what_no_architecture_expresses(tmp_path):
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba2")
   cases = [

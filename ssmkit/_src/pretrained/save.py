@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
-from ssmkit._src.pretrained.files import CONFIG, SINGLE, CheckpointError, read_config
+from ssmkit._src.pretrained.files import CONFIG, INDEX, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
 
 # The architectures `save` writes, each with the layers its models are made of, in the order
@@ -29,13 +29,16 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
                  "generation_config.json")
 CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The most bytes of tensors `save` writes to one file, as `save_pretrained`'s default
+# `max_shard_size` ("5GB"); a larger checkpoint is written in shards with an index.
+SHARD_BYTES = 5 * 10**9
 # The dtypes `save` writes tensors in, by the name config.json gives them.
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
 def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
          source: str | pathlib.Path | None = None, architecture: str | None = None,
-         dtype: Any = None) -> pathlib.Path:
+         dtype: Any = None, shard_bytes: int = SHARD_BYTES) -> pathlib.Path:
   """Writes `model` as `config.json` and `model.safetensors` that `transformers` loads as the
   same architecture, and `ssmkit.pretrained.load` reads back bit for bit.
 
@@ -59,6 +62,10 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
       `torch.Tensor.to` does, but for the tensors that `transformers` keeps in float32 for
       this architecture (Kimi Linear's and Nemotron-H's routers, their correction biases, Kimi
       Linear's `dt_bias`), which stay float32 as its `save_pretrained` writes them.
+    shard_bytes: the most bytes of tensors in one file (a larger tensor gets one to itself):
+      a checkpoint of more is written as `model-00001-of-0000N.safetensors` ... with
+      `model.safetensors.index.json`, as `save_pretrained` shards it. The weight files of an
+      earlier checkpoint in `directory` are removed, so that none outlives the new one.
 
   Returns:
     The directory.
@@ -88,16 +95,39 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   kept = getattr(architecture, "FLOAT32_TENSORS", ())
   tensors = {name: value if any(part in name for part in kept) else value.astype(DTYPES[written])
              for name, value in tensors.items()}
-  from safetensors.numpy import save_file
 
   folder = pathlib.Path(directory)
   folder.mkdir(parents=True, exist_ok=True)
   if source is not None:
     config.update(_carry(source, folder))
   (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-  save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
-            str(folder / SINGLE), metadata={"format": "pt"})
+  _write_weights(folder, tensors, shard_bytes)
   return folder
+
+
+def _write_weights(folder: pathlib.Path, tensors: dict[str, np.ndarray], shard_bytes: int) -> None:
+  """`tensors` as `SINGLE`, or as shards of at most `shard_bytes` bytes each with `INDEX`."""
+  from safetensors.numpy import save_file
+
+  for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
+    stale.unlink(missing_ok=True)
+  shards, size = [[]], 0
+  for name, value in tensors.items():
+    if shards[-1] and size + value.nbytes > shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += value.nbytes
+  files = [SINGLE] if len(shards) == 1 else [
+      f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+  for file, names in zip(files, shards, strict=True):
+    save_file({name: np.ascontiguousarray(tensors[name]) for name in names}, str(folder / file),
+              metadata={"format": "pt"})
+  if len(files) > 1:
+    index = {"metadata": {"total_size": sum(value.nbytes for value in tensors.values())},
+             "weight_map": {name: file for file, names in zip(files, shards, strict=True)
+                            for name in names}}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _dtype_name(dtype: Any) -> str:
