@@ -582,6 +582,9 @@ def test_save_shards_a_checkpoint_past_shard_bytes(tmp_path):
   ssmkit.pretrained.save(model, variables, tmp_path)
   assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
   jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path)[1], variables)
+  for bad in (0, 2.5e9):
+    with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"`shard_bytes` must be a positive"):
+      ssmkit.pretrained.save(model, variables, tmp_path / "bad", shard_bytes=bad)
 
 
 def test_save_names_what_no_architecture_expresses(tmp_path):

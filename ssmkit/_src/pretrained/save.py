@@ -73,9 +73,12 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   Raises:
     CheckpointError: naming the model option that no architecture expresses (another layer,
       an MLP where the architecture has none, a decoder bias that is not zero...), an
-      `architecture` that does not express it, or a `dtype` not in `DTYPES`.
+      `architecture` that does not express it, a `dtype` not in `DTYPES`, or a `shard_bytes`
+      that is not a positive integer.
   """
   written = "float32" if dtype is None else _dtype_name(dtype)
+  if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+    raise CheckpointError(f"`shard_bytes` must be a positive integer, got {shard_bytes!r}.")
   if not isinstance(model, SequenceModel):
     from ssmkit._src.nnx.convert import to_linen
 
