@@ -95,9 +95,10 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
   config = {"architectures": [architecture.ARCHITECTURE], **fields,
             "vocab_size": model.vocab_size, "dtype": written,
             **dict.fromkeys(CARRIED_FIELDS)}
+  # `copy=False`: in float32 the tensors are written as they are, not copied once more.
   kept = getattr(architecture, "FLOAT32_TENSORS", ())
-  tensors = {name: value if any(part in name for part in kept) else value.astype(DTYPES[written])
-             for name, value in tensors.items()}
+  tensors = {name: value if any(part in name for part in kept)
+             else value.astype(DTYPES[written], copy=False) for name, value in tensors.items()}
 
   folder = pathlib.Path(directory)
   folder.mkdir(parents=True, exist_ok=True)
