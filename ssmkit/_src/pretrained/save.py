@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssmkit._src.layers.common import check_positive_int
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
 from ssmkit._src.pretrained.files import CONFIG, INDEX, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
@@ -74,11 +75,13 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
     CheckpointError: naming the model option that no architecture expresses (another layer,
       an MLP where the architecture has none, a decoder bias that is not zero...), an
       `architecture` that does not express it, a `dtype` not in `DTYPES`, or a `shard_bytes`
-      that is not a positive integer.
+      that is not a positive int.
   """
   written = "float32" if dtype is None else _dtype_name(dtype)
-  if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
-    raise CheckpointError(f"`shard_bytes` must be a positive integer, got {shard_bytes!r}.")
+  try:
+    check_positive_int(shard_bytes, "shard_bytes")
+  except ValueError as error:
+    raise CheckpointError(str(error)) from None
   if not isinstance(model, SequenceModel):
     from ssmkit._src.nnx.convert import to_linen
 
