@@ -239,23 +239,18 @@ def test_nan_before_a_reset_reaches_no_output_or_gradient_after_it(layer):
       _assert_close(y[:, 6:], expected[:, 6:])
 
 
-# Saturated, Mamba-3's chunked forms round in float32 far more than its step loop: one draw of
-# parameters put them 2.0e-3 of the largest output from the float64 loop, the step loop 1.7e-5,
-# and in float64 every mode within 2e-12 of it (another draw: 3.8e-4 between the modes).
-SATURATED_RTOL = {"Mamba3": 5e-3}
-
-
 def test_inputs_that_saturate_every_gate_and_decay_stay_finite(layer):
   """Inputs of magnitude 1000 drive step sizes, gates and data-dependent decays to their
   extremes (decays of exp(-1000) and below): every mode's outputs and input gradients stay
-  finite, and the modes agree."""
+  finite, and the modes agree to 1e-4 of the largest output (Mamba-3, turned by thousands of
+  radians: 4.8e-5)."""
   params = _params(layer)
   reset = _set(np.zeros(SHAPE[:2], bool), (slice(None), 6), True)
   start = None if getattr(layer, "bidirectional", False) else layer.initialize_state((2, 4))
   results = compiled.compiled(_after_a_reset, layer=layer)(params, 1000 * X, reset, start)
   for y, dx in results:
     assert np.all(np.isfinite(y)) and np.all(np.isfinite(dx))
-    _assert_close(y, results[0][0], rtol=SATURATED_RTOL.get(type(layer).__name__, 1e-4))
+    _assert_close(y, results[0][0], rtol=1e-4)
 
 
 def test_bfloat16_parameters_compute_as_their_float32_values(layer):

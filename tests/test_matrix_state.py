@@ -379,6 +379,22 @@ def test_strong_decays_stay_finite_in_values_and_derivatives(kind, dtype):
   _check_gradients_and_jvp(kind, x, 1e-6 if dtype == np.float64 else 1e-3, modes=LAYOUTS[1:3])
 
 
+@pytest.mark.parametrize("kind", DECAYING, ids=[kind[0] for kind in DECAYING])
+def test_mild_decays_after_a_vanishing_one_keep_float32_precision(kind):
+  """A step of log-decay -1000 inside a chunk, mild decays around it: in float32, every
+  mode's outputs and final state lie within float32's rounding of the float64 loop. The decays
+  between the later steps are about 0.05 nats; as differences of sums from the chunk's start
+  (near -1000, spaced 6e-5 apart) they came out up to 6e-3 off."""
+  x = _inputs(np.random.default_rng(23), kind, (2,), 70, reset_rate=0.0, decay=(0.0, 0.1))
+  x["log_decay"][:, [3, 21, 40]] = -1000.0
+  x = {n: v if v is None or n == "reset" else v.astype(np.float32) for n, v in x.items()}
+  expected, expected_final = _reference(kind, x)
+  for mode in MODES:
+    out, final = _jitted(kind, mode, _chunk(mode))(x)
+    _assert_close(out, expected, 1e-5)
+    _assert_close(final, expected_final, 1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_one_batch_row_takes_groups_of_heads_as_batch_rows(kind):
   """With one batch row the chunked forms move groups of heads to the batch axis: 6 heads as

@@ -143,9 +143,11 @@ def segments(reset: Array | None, size: int) -> Segments:
                   index[..., -1] > 0, index)
 
 
-def cumulative(g: Array, seg: Segments) -> Array:
+def cumulative(g: Array, seg: Segments, behind: bool = False) -> Array:
   """b_t = g_r + ... + g_t along the chunk axis 3 of `(Z, H, n, C, ...)`, from the first step
-  r of t's segment (`seg`): the sums restart at each reset.
+  r of t's segment (`seg`): the sums restart at each reset. With `behind`, b_{t-1}, up to the
+  step before t (0 at a segment's first step), summed as such: b_t - g_t would carry the
+  rounding of a large |g_t|.
 
   One product with the segments' lower-triangular mask of ones, in full precision: XLA's CPU
   cumulative sum (a windowed reduction) took a twentieth of KDA's gradient at B=2 T=4096 H=4
@@ -155,39 +157,68 @@ def cumulative(g: Array, seg: Segments) -> Array:
   last and cost a transpose (KDA's gradient: 178-181 ms against 190-199 ms).
   """
   if seg.index is None:
-    ones = jnp.tril(jnp.ones((g.shape[3],) * 2, g.dtype))
+    ones = jnp.tril(jnp.ones((g.shape[3],) * 2, g.dtype), -1 if behind else 0)
     if g.ndim == 4:  # (Z, H, n, C): the rows times the triangle's transpose
       return jnp.einsum("zhns,ts->zhnt", g, ones, precision=lax.Precision.HIGHEST)
     ones = jnp.broadcast_to(ones, (*g.shape[:3], *ones.shape))
   else:
-    ones = jnp.broadcast_to(seg.causal.astype(g.dtype), (*g.shape[:3], *seg.causal.shape[-2:]))
+    mask = seg.strict if behind else seg.causal
+    ones = jnp.broadcast_to(mask.astype(g.dtype), (*g.shape[:3], *mask.shape[-2:]))
     if g.ndim == 4:
       return jnp.einsum("zhnts,zhns->zhnt", ones, g, precision=lax.Precision.HIGHEST)
   return jnp.matmul(ones, g, precision=lax.Precision.HIGHEST)
 
 
-def decay_to_end(b: Array, seg: Segments) -> Array:
-  """exp(b_C - b_t), the decay from each step t of the last segment to the chunk's end, and 0
-  before that segment; `b` `(Z, H, n, C[, K])` (`cumulative`).
+def _sums_between(g: Array, steps: Array) -> Array:
+  """sum_r steps[..., r] g_r over the chunk axis 3 of `g` `(Z, H, n, C[, K])`, for a 0/1 mask
+  `steps` `(..., C)` whose last axes but r come out after n: one product in full precision.
+  Per head, `steps` is constant, `(C, C)` or `(C, C, C)`; per key, `(P, C)` or per chunk
+  `(Z, 1, n, P, C)`.
 
-  Selected before `exp`: the sums restart at resets, so b_C - b_t of an earlier segment may be
-  far above 0, and its overflow would reach the gradients as 0 * inf.
+  Each sum adds the decays of its own steps, so it keeps float32's relative precision however
+  far the chunk decayed before them. A difference of cumulative sums b_t - b_s would carry the
+  rounding of |b_s|: after one step of log-decay -1000, b is -1000 and its spacing 6e-5, so
+  the decays between the later steps came out up to that much off (Mamba-3 at saturating
+  inputs: 2e-3 of the largest output from a float64 loop).
   """
-  total = b[:, :, :, -1:]
+  if g.ndim == 4:
+    free = "ts"[:steps.ndim - 1]
+    return jnp.einsum(f"zhnr,{free}r->zhn{free}", g, steps, precision=lax.Precision.HIGHEST)
+  # (Z, H, n, C, K) per key: a `(P, C)` mask, or `(Z, 1, n, P, C)`, batched over the chunks, as
+  # `cumulative` does
+  return jnp.matmul(jnp.broadcast_to(steps, (*g.shape[:3], *steps.shape[-2:])), g,
+                    precision=lax.Precision.HIGHEST)
+
+
+def decay_to_end(g: Array, seg: Segments) -> Array:
+  """exp(g_{t+1} + ... + g_C), the decay from each step t of the last segment to the chunk's
+  end, and 0 before that segment; `g` `(Z, H, n, C[, K])` log-decays.
+
+  Summed over each step's own later steps (`_sums_between`), not as b_C - b_t. Selected before
+  `exp`: across a reset the sum may be far above what the segment decays, and its overflow
+  would reach the gradients as 0 * inf.
+  """
+  step = jnp.arange(g.shape[3])
+  later = _sums_between(g, (step[None, :] > step[:, None]).astype(g.dtype))
   if seg.last is None:
-    return jnp.exp(total - b)
-  last = seg.last if b.ndim == 4 else seg.last[..., None]
-  return jnp.exp(jnp.where(last, total - b, -jnp.inf))
+    return jnp.exp(later)
+  last = seg.last if g.ndim == 4 else seg.last[..., None]
+  return jnp.exp(jnp.where(last, later, -jnp.inf))
 
 
-def pairwise_decay(b: Array, causal: Array) -> Array:
-  """exp(b_t - b_s) where `causal`, else 0; `b` `(Z, H, n, C)` -> `(Z, H, n, C, C)`.
+def pairwise_decay(g: Array, causal: Array) -> Array:
+  """exp(g_{s+1} + ... + g_t) where `causal`, else 0; `g` `(Z, H, n, C)` log-decays ->
+  `(Z, H, n, C, C)`.
 
-  The masked differences are replaced before `exp`, so neither the values nor the
-  gradients see the overflowing exp(b_t - b_s) of s > t.
+  Each exponent is summed over its own steps (`_sums_between`), not taken as a difference of
+  cumulative sums b_t - b_s, which loses the precision of the larger |b|. The masked exponents
+  are replaced before `exp`, so neither the values nor the gradients see an overflowing
+  exp of s > t.
   """
-  diff = b[..., :, None] - b[..., None, :]
-  return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+  step = jnp.arange(g.shape[3])
+  # (t, s, r): the steps r in (s, t]
+  between = (step[None, None, :] > step[None, :, None]) & (step[None, None, :] <= step[:, None, None])
+  return jnp.exp(jnp.where(causal, _sums_between(g, between.astype(g.dtype)), -jnp.inf))
 
 
 # How far a chunk may decay, per width of the accumulation dtype, for its scores to be one
@@ -200,8 +231,8 @@ def _leading(x: Array, count: int) -> Array:
   return x.reshape((1,) * count + x.shape)
 
 
-def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Array, precision,
-                   strict: bool = False, factored: bool = False,
+def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], g: Array, bx: Array, by: Array,
+                   precision, strict: bool = False, factored: bool = False,
                    index: Array | None = None) -> list[list[Array]]:
   """sum_d x_td y_sd exp(bx_td - by_sd) for s <= t (s < t if `strict`) inside each chunk.
 
@@ -220,6 +251,8 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
 
   Args:
     xs, ys: `(Z, H, n, C, K)` rows of each chunk; every pair is scored.
+    g: `(Z, H, n, C, K)` the log-decays that bx and by sum; the blocks' exponents are sums of
+      them over their own steps.
     bx, by: `(Z, H, n, C, K)` cumulative log-decays of the xs' and the ys' steps from the
       start of their segment (`cumulative`); bx_t - by_s and bx_t - e_i must be <= 0
       wherever they are used (by = bx, or bx one step behind it with `strict`).
@@ -246,19 +279,19 @@ def per_key_scores(xs: Sequence[Array], ys: Sequence[Array], bx: Array, by: Arra
     n, group = bx.shape[2], _pairwise_group(bx.shape)
     scores = lambda c: _blocked_scores(*c, precision, strict, False)
     if group == n:  # a loop of one iteration would only slow it down
-      return scores((xs, ys, bx, by, index))
+      return scores((xs, ys, g, index))
     # (n / group, Z, H, group, C, K): the loop runs over the groups, each a window of chunks.
     grouped = lambda a: None if a is None else jnp.moveaxis(
         a.reshape((*a.shape[:2], n // group, group, *a.shape[3:])), 2, 0)
     out = lax.map(jax.checkpoint(scores), (tuple(map(grouped, xs)), tuple(map(grouped, ys)),
-                                           grouped(bx), grouped(by), grouped(index)))
+                                           grouped(g), grouped(index)))
     # (Z, H, n / group, group, C, C) -> (Z, H, n, C, C)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2).reshape((*a.shape[1:3], n, *a.shape[-2:])),
                         out)
 
   if factored:
     return [list(row) for row in whole(None)]
-  blocks = lambda _: _blocked_scores(xs, ys, bx, by, index, precision, strict, True)
+  blocks = lambda _: _blocked_scores(xs, ys, g, index, precision, strict, True)
   path = jnp.where(all_above(jnp.min(by, axis=3), -limit), 0,
                    jnp.where(all_above(by - _references(by, index), -limit), 1, 2))
   scores = lax.switch(path, [jax.checkpoint(f) for f in (whole, blocks, pairwise)], None)
@@ -338,10 +371,13 @@ def _entries(by: Array, index: Array | None) -> tuple[Array, Array | None]:
   sub = _block_size(by.shape[3])
   leave = by[:, :, :, sub - 1::sub]
   enter = jnp.concatenate([jnp.zeros_like(leave[:, :, :, :1]), leave[:, :, :, :-1]], axis=3)
-  if index is None:
-    return enter, None
+  return enter, None if index is None else _entry_segments(index, sub)
+
+
+def _entry_segments(index: Array, sub: int) -> Array:
+  """`(Z, 1, n, m)` the segment each block of `sub` steps starts in: that of the step before it."""
   ends = index[:, :, :, sub - 1::sub]
-  return enter, jnp.concatenate([jnp.zeros_like(ends[:, :, :, :1]), ends[:, :, :, :-1]], axis=3)
+  return jnp.concatenate([jnp.zeros_like(ends[:, :, :, :1]), ends[:, :, :, :-1]], axis=3)
 
 
 def _steps(x: Array, sub: int) -> Array:
@@ -361,27 +397,46 @@ def _references(by: Array, index: Array | None) -> Array:
   return jnp.where(same, _steps(enter, sub), 0)
 
 
-def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
+def _blocked_scores(xs, ys, g, index, precision, strict, factored):
   """`per_key_scores` as nested tuples `[a][b]` of `(Z, H, n, C, C)`, through blocks of at
   most 8 steps; inside a block as one product if `factored` (the block decays by less than
-  the limit), else step pair by step pair."""
-  size = bx.shape[3]
+  the limit), else step pair by step pair.
+
+  Every exponent sums the log-decays `g` `(Z, H, n, C, K)` of its own steps (`_sums_between`),
+  never a difference of two cumulative sums: after a step of log-decay -1000, such a
+  difference of the later steps' decays carried the rounding of 1000 (6e-5), and the scores
+  of GLA, KDA and RWKV-7 came out up to 6e-3 off in float32.
+  """
+  size = g.shape[3]
   sub = _block_size(size)
   m = size // sub
   blocks = lambda a: a.reshape((*a.shape[:3], m, sub, a.shape[-1]))  # (Z, H, n, m, c, K)
-  enter, entry_segment = _entries(by, index)
-  reference = _references(by, index)
-  # Block i's queries scaled by exp(bx_t - e_i), the keys before it of the segment it starts
-  # in by exp(e_i - by_s); a segment that starts inside the block is scored from its start.
-  x_scale = jnp.exp(blocks(bx - reference))  # (Z, H, n, m, c, K)
-  earlier = (jnp.arange(size)[None, :] < jnp.arange(0, size, sub)[:, None])[None, None, None]
+  step = jnp.arange(size)
+  start = jnp.arange(0, size, sub)  # each block's first step
+  # The steps r of t's block and segment up to t (before t with `strict`, whose xs are one step
+  # behind): block i's xs are scaled by exp(bx_t - e_i), e_i where its segment entered the
+  # block, or the start of a segment that begins inside it.
+  own = _leading((step[None, :] // sub == step[:, None] // sub) & (step[None, :] <= step[:, None]),
+                 3)  # (1, 1, 1, t, r)
+  if index is not None:  # (Z, 1, n, t, r)
+    own = own & (index[..., :, None] == index[..., None, :])
+  local = _sums_between(g, own.astype(g.dtype))  # (Z, H, n, C, K)
+  behind = local if not strict else _sums_between(
+      g, (own & _leading(step[None, :] < step[:, None], 3)).astype(g.dtype))
+  x_scale = jnp.exp(blocks(behind))  # (Z, H, n, m, c, K)
+  # The keys before block i of the segment it starts in, by exp(e_i - by_s): the steps r of
+  # (s, start_i).
+  earlier = (step[None, :] < start[:, None])[None, None, None]  # (1, 1, 1, m, C)
   if index is not None:  # (Z, 1, n, m, C)
+    entry_segment = _entry_segments(index, sub)
     earlier = earlier & (index[:, :, :, None, :] == entry_segment[..., None])
-  y_scale = jnp.exp(jnp.where(earlier[..., None], enter[:, :, :, :, None] - by[:, :, :, None],
+  gap = (step[None, None, :] > step[None, :, None]) & (step[None, None, :] < start[:, None, None])
+  gaps = _sums_between(g, gap.reshape((m * size, size)).astype(g.dtype))
+  y_scale = jnp.exp(jnp.where(earlier[..., None], gaps.reshape((*g.shape[:3], m, size, -1)),
                               -jnp.inf))  # (Z, H, n, m, C, K)
   lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[None, None, None, None]
-  if factored:  # exp(ref_s - by_s) < exp(limit) inside block i
-    y_near = jnp.exp(blocks(reference - by))
+  if factored:  # exp(e_i - by_s) < exp(limit) inside block i
+    y_near = jnp.exp(-blocks(local))
   else:
     if index is not None:  # (Z, 1, n, m, t, s)
       segment = index.reshape((*index.shape[:3], m, sub))
@@ -393,8 +448,16 @@ def _blocked_scores(xs, ys, bx, by, index, precision, strict, factored):
     # chunk (m = 1), as `jnp.sum(a * b, axis=5)` of two (2, 2, 9, 1, 8, 8, 5) arrays does.
     flat = lambda a: a.reshape((-1, sub, a.shape[-1]))  # (Z H n m, c, K)
     mask = flat(jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)))[..., None]
-    inside = jnp.exp(jnp.where(mask, flat(bx)[:, :, None] - flat(by)[:, None], -jnp.inf))
-  eye = jnp.eye(m, dtype=bx.dtype)
+    # exp(bx_t - by_s): the steps r of (s, t] of the block, (s, t) with `strict`
+    inner = jnp.arange(sub)
+    pair = ((inner[None, None, :] > inner[None, :, None])
+            & (inner[None, None, :] <= inner[:, None, None] - strict))  # (t, s, r)
+    flat_g = flat(g)
+    sums = jnp.matmul(jnp.broadcast_to(pair.reshape((sub * sub, sub)).astype(g.dtype),
+                                       (flat_g.shape[0], sub * sub, sub)), flat_g,
+                      precision=lax.Precision.HIGHEST).reshape((-1, sub, sub, g.shape[-1]))
+    inside = jnp.exp(jnp.where(mask, sums, -jnp.inf))
+  eye = jnp.eye(m, dtype=g.dtype)
 
   def scores(x, y):
     x_hat = blocks(x) * x_scale

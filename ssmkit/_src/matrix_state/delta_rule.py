@@ -84,12 +84,12 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool
   elif g.ndim == 4:
     b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
-    decay = chunks.pairwise_decay(b, seg.causal)
+    decay = chunks.pairwise_decay(g, seg.causal)
     interact = jnp.where(seg.strict, kk * decay, 0)
     weights = qk * read(decay)
     k_in = k * jnp.exp(b)[..., None]
     q_in = q * jnp.exp(read(b))[..., None]
-    k_out = k * chunks.decay_to_end(b, seg)[..., None]
+    k_out = k * chunks.decay_to_end(g, seg)[..., None]
     a = jnp.exp(total)[..., None, None]
   else:  # one decay per key channel: the decays scale the rows of S, M's diagonal
     # The per-key scores take square chunks: every query is scored, the read rows kept.
@@ -97,13 +97,13 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool
     bad_query = read(bad_query)
     b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
-    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), b, b, precision, factored=factored,
+    (kk,), (qk,) = chunks.per_key_scores((k, q), (k,), g, b, b, precision, factored=factored,
                                       index=seg.index)
     interact = jnp.where(seg.strict, kk, 0)
     weights = jnp.where(read(seg.causal), read(qk), 0)
     k_in = k * jnp.exp(b)
     q_in = read(q * jnp.exp(b))
-    k_out = k * chunks.decay_to_end(b, seg)
+    k_out = k * chunks.decay_to_end(g, seg)
     a = jnp.exp(total)[..., None]
   rows = beta[..., None]
   rhs = jnp.concatenate([v, -chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)

@@ -54,11 +54,11 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   elif g.ndim == 4:
     g = jnp.broadcast_to(g[..., None], k.shape)
   after = chunks.cumulative(g, seg)
-  before = after - g
+  before = chunks.cumulative(g, seg, behind=True)
   total = after[:, :, :, -1:]
-  ((ab, ak),) = chunks.per_key_scores((a,), (b, k), before, after, precision, strict=True,
+  ((ab, ak),) = chunks.per_key_scores((a,), (b, k), g, before, after, precision, strict=True,
                                       factored=factored, index=seg.index)
-  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), after, after, precision, factored=factored,
+  ((qb, qk),) = chunks.per_key_scores((q,), (b, k), g, after, after, precision, factored=factored,
                                       index=seg.index)
   ab, ak = (jnp.where(seg.strict, x, 0) for x in (ab, ak))
   qb, qk = (jnp.where(seg.causal, x, 0) for x in (qb, qk))
@@ -68,7 +68,7 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   solved = triangular.unit_lower_solve(-ab, rhs, precision)
   dim_v = v.shape[-1]
   w, r = solved[..., :dim_v], solved[..., dim_v:]
-  to_end = chunks.decay_to_end(after, seg)
+  to_end = chunks.decay_to_end(g, seg)
   b_out, k_out = (chunks.masked(x * to_end, seg.last) for x in (b, k))
   u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, v, precision=precision)
   decay = jnp.exp(total[:, :, :, 0])[..., None]  # (Z, H, n, K, 1)

@@ -109,16 +109,16 @@ def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False, factored: 
     b = chunks.cumulative(g, seg)
     total = b[:, :, :, -1]
     if g.ndim == 4:
-      weights = scores * chunks.pairwise_decay(b, mask)
+      weights = scores * chunks.pairwise_decay(g, mask)
       q_in = q * jnp.exp(b)[..., None]
-      k_out = k * chunks.decay_to_end(b, seg)[..., None]
+      k_out = k * chunks.decay_to_end(g, seg)[..., None]
       a = jnp.exp(total)[..., None, None]
     else:
-      ((decayed,),) = chunks.per_key_scores((q,), (k,), b, b, precision, factored=factored,
+      ((decayed,),) = chunks.per_key_scores((q,), (k,), g, b, b, precision, factored=factored,
                                             index=seg.index)
       weights = jnp.where(mask, decayed, 0)
       q_in = q * jnp.exp(b)
-      k_out = k * chunks.decay_to_end(b, seg)
+      k_out = k * chunks.decay_to_end(g, seg)
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
   u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
