@@ -103,7 +103,7 @@ def _chunk_maps(c: chunks.Chunks, precision, read_every: int = 1, factored: bool
     weights = jnp.where(read(seg.causal), read(qk), 0)
     k_in = k * jnp.exp(b)
     q_in = read(q * jnp.exp(b))
-    k_out = k * chunks.decay_to_end(g, seg)
+    k_out = k * chunks.decay_to_end(g, seg, b if factored else None)
     a = jnp.exp(total)[..., None]
   rows = beta[..., None]
   rhs = jnp.concatenate([v, -chunks.masked(k_in, seg.first)], axis=-1)  # (Z, H, n, C, V + K)

@@ -68,7 +68,7 @@ def _chunk_maps(c: chunks.Chunks, precision, factored: bool = False):
   solved = triangular.unit_lower_solve(-ab, rhs, precision)
   dim_v = v.shape[-1]
   w, r = solved[..., :dim_v], solved[..., dim_v:]
-  to_end = chunks.decay_to_end(g, seg)
+  to_end = chunks.decay_to_end(g, seg, after if factored else None)
   b_out, k_out = (chunks.masked(x * to_end, seg.last) for x in (b, k))
   u = jnp.einsum("zhnsd,zhnse->zhnde", k_out, v, precision=precision)
   decay = jnp.exp(total[:, :, :, 0])[..., None]  # (Z, H, n, K, 1)

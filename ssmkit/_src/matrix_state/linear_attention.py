@@ -118,7 +118,7 @@ def _chunk_maps(c: chunks.Chunks, precision, exclusive: bool = False, factored: 
                                             index=seg.index)
       weights = jnp.where(mask, decayed, 0)
       q_in = q * jnp.exp(b)
-      k_out = k * chunks.decay_to_end(g, seg)
+      k_out = k * chunks.decay_to_end(g, seg, b if factored else None)
       a = jnp.exp(total)[..., None]
   intra = jnp.einsum("zhncs,zhnse->zhnce", weights, v, precision=precision)
   u = jnp.einsum("zhnsd,zhnse->zhnde", chunks.masked(k_out, seg.last), v, precision=precision)
