@@ -6,7 +6,7 @@
     ssmkit train CONFIG [--workdir DIR] [--distributed ...] [key=value ...]   (any task kind)
     ssmkit eval --workdir DIR [--step N]
     ssmkit generate (--workdir DIR | --pretrained DIR_OR_ID) [--prompt TEXT] [--max-tokens N] ...
-    ssmkit export --workdir DIR [--step N] [--dtype D] OUTPUT
+    ssmkit export --workdir DIR [--step N] [--dtype D] [--max-shard-size S] OUTPUT
     ssmkit configs
     ssmkit --version
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pathlib
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,22 @@ def _positive_int(text: str) -> int:
   if value <= 0:
     raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
   return value
+
+
+# `transformers`' units of `max_shard_size`: decimal, and binary with an "i".
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _byte_size(text: str) -> int:
+  """A positive number of bytes, as `save_pretrained`'s `max_shard_size` takes it: "5GB",
+  "500MB", "2GiB" or a plain count."""
+  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+  size = match and int(float(match[1]) * _BYTE_UNITS[(match[2] or "B").upper()])
+  if not size:
+    raise argparse.ArgumentTypeError(
+        f"must be a positive size such as 5GB, 500MB or 2GiB, got {text!r}")
+  return size
 
 
 _BENCHMARKS = {
@@ -243,7 +260,8 @@ def _run_export(args: argparse.Namespace) -> int:
     model, variables, config = train.load(args.workdir, args.step)
     folder = pretrained.save(model, variables, args.output,
                              source=config.model.pretrained or config.data.tokenizer,
-                             dtype=args.dtype)
+                             dtype=args.dtype, **({} if args.max_shard_size is None
+                                                  else {"shard_bytes": args.max_shard_size}))
   except (FileNotFoundError, ValueError) as error:  # ConfigError and CheckpointError included
     print(f"ssmkit export: error: {error}", file=sys.stderr)
     return 2
@@ -259,6 +277,10 @@ def _add_export(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="the tensors' dtype (bfloat16: half the size, rounded to nearest); "
                       "default: float32, which loads back bit for bit")
+  parser.add_argument("--max-shard-size", type=_byte_size, default=None,
+                      help="the most bytes of tensors in one file, as transformers' "
+                      "max_shard_size (5GB, 500MB, 2GiB); past it the checkpoint is written in "
+                      "shards with an index; default: 5GB")
   parser.add_argument("output", type=pathlib.Path, help="the folder to write")
   parser.set_defaults(run=_run_export)
 

@@ -795,7 +795,14 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
                      str(tmp_path / "half")]) == 0
     assert {v.dtype for v in load_file(tmp_path / "half" / "model.safetensors").values()} == {
         np.dtype(jnp.bfloat16)}
-    capsys.readouterr()
+    assert cli.main(["export", "--workdir", str(workdir), "--max-shard-size", "20kB",
+                     str(tmp_path / "shards")]) == 0
+    assert len(list((tmp_path / "shards").glob("model-0000?-of-0000?.safetensors"))) > 1
+    jax.tree.map(np.testing.assert_array_equal,
+                 ssmkit.pretrained.load(tmp_path / "shards")[1], variables)
+    with pytest.raises(SystemExit):
+      cli.main(["export", "--workdir", str(workdir), "--max-shard-size", "5XB", str(tmp_path)])
+    assert "--max-shard-size: must be a positive size such as 5GB" in capsys.readouterr().err
     assert cli.main(["generate", "--pretrained", str(out), "--prompt", "t5 t9", "--max-tokens",
                      "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.split()[:2] == ["t5", "t9"]

@@ -170,10 +170,11 @@ def cumulative(g: Array, seg: Segments, behind: bool = False) -> Array:
 
 
 def _sums_between(g: Array, steps: Array) -> Array:
-  """sum_r steps[..., r] g_r over the chunk axis 3 of `g` `(Z, H, n, C[, K])`, for a 0/1 mask
-  `steps` `(..., C)` whose last axes but r come out after n: one product in full precision.
-  Per head, `steps` is constant, `(C, C)` or `(C, C, C)`; per key, `(P, C)` or per chunk
-  `(Z, 1, n, P, C)`.
+  """sum_r steps[..., r] g_r: one product in full precision with a constant 0/1 mask.
+
+  Per head, over the chunk axis 3 of `g` `(Z, H, n, C)`, with `steps` `(C, C)` or `(C, C, C)`,
+  whose leading axes come out after n; per key, over the second last axis of `g` `(..., C, K)`,
+  with `steps` `(P, C)`: `(..., P, K)`.
 
   Each sum adds the decays of its own steps, so it keeps float32's relative precision however
   far the chunk decayed before them. A difference of cumulative sums b_t - b_s would carry the
@@ -184,9 +185,8 @@ def _sums_between(g: Array, steps: Array) -> Array:
   if g.ndim == 4:
     free = "ts"[:steps.ndim - 1]
     return jnp.einsum(f"zhnr,{free}r->zhn{free}", g, steps, precision=lax.Precision.HIGHEST)
-  # (Z, H, n, C, K) per key: a `(P, C)` mask, or `(Z, 1, n, P, C)`, batched over the chunks, as
-  # `cumulative` does
-  return jnp.matmul(jnp.broadcast_to(steps, (*g.shape[:3], *steps.shape[-2:])), g,
+  # per key: the mask batched over the chunks, as `cumulative` does
+  return jnp.matmul(jnp.broadcast_to(steps, (*g.shape[:-2], *steps.shape)), g,
                     precision=lax.Precision.HIGHEST)
 
 
@@ -198,7 +198,8 @@ def decay_to_end(g: Array, seg: Segments, b: Array | None = None) -> Array:
   (`_sums_between`), per key as the sums inside t's block and over the blocks after it
   (`_block_sums`). Given `b` (`cumulative`) per key, as b_C - b_t: for chunks that decay by
   less than `per_key_scores`' limit in every channel (`factors`), whose rounding is then at
-  most 60 x 2^-24 and whose sums cost KDA's gradient 5-10% (B=2 T=4096 H=4 K=V=64, CPU).
+  most 60 x 2^-24, and where the sums cost KDA's gradient about a tenth more time (B=2 T=4096
+  H=4 K=V=64, CPU, the default log-decays).
   Selected before `exp`: across a reset the sum may be far above what the segment decays,
   and its overflow would reach the gradients as 0 * inf.
   """
@@ -416,26 +417,20 @@ def _block_sums(g: Array, sub: int, index: Array | None = None, behind: bool = F
   step t's block of `sub` steps: from the block's start, or the start of t's segment inside it
   (`index`), up to t (before t with `behind`); with `later`, after t to the block's end.
 
-  Added one step after the other, `sub` elementwise sums: as products with masks of ones, the
-  same sums took KDA's gradient 15% more time (log-decays in [-3, -0.1], B=2 T=4096 H=4 K=V=64).
+  One product per block with a `(sub, sub)` mask of ones: with masks of the whole chunk's
+  `(C, C)`, KDA's gradient took about 5% more time (log-decays in [-3, -0.1], B=2 T=4096 H=4
+  K=V=64, CPU), and as `sub` elementwise sums one step after the other its programs compiled
+  in up to a third more time.
   """
-  blocked = g.reshape((*g.shape[:3], -1, sub, g.shape[-1]))  # (Z, H, n, m, c, K)
-  parts = [blocked[:, :, :, :, j] for j in range(sub)]  # each (Z, H, n, m, K)
-  if later:  # no segments: the caller keeps the sums of steps of its own segment
-    parts = parts[::-1]
-  if index is not None:  # (Z, 1, n, m, c)
+  step = jnp.arange(sub)
+  mask = _leading(step[None, :] > step[:, None] if later else step[None, :] < step[:, None]
+                  if behind else step[None, :] <= step[:, None], 4)  # (1, 1, 1, 1, t, r)
+  if index is not None:  # (Z, 1, n, m, t, r): the same segment
     segment = index.reshape((*index.shape[:3], -1, sub))
-  sums, total = [], jnp.zeros_like(parts[0])
-  for j, part in enumerate(parts):
-    if index is not None and j:  # a segment begins at the step
-      total = jnp.where((segment[..., j] != segment[..., j - 1])[..., None], 0, total)
-    if not (behind or later):
-      total = total + part
-    sums.append(total)
-    if behind or later:
-      total = total + part
-  sums = jnp.stack(sums[::-1] if later else sums, axis=4)  # (Z, H, n, m, c, K)
-  return sums.reshape(g.shape)
+    mask = mask & (segment[..., :, None] == segment[..., None, :])
+  blocked = g.reshape((-1, sub, g.shape[-1]))  # (Z H n m, c, K)
+  mask = jnp.broadcast_to(mask, (*g.shape[:3], g.shape[3] // sub, sub, sub)).reshape((-1, sub, sub))
+  return jnp.matmul(mask.astype(g.dtype), blocked, precision=lax.Precision.HIGHEST).reshape(g.shape)
 
 
 def _blocked_scores(xs, ys, g, index, precision, strict, factored):
@@ -444,9 +439,9 @@ def _blocked_scores(xs, ys, g, index, precision, strict, factored):
   the limit), else step pair by step pair.
 
   Every exponent sums the log-decays `g` `(Z, H, n, C, K)` of its own steps (`_block_sums`,
-  `_sums_between`), never a difference of two cumulative sums: after a step of log-decay -1000, such a
-  difference of the later steps' decays carried the rounding of 1000 (6e-5), and the scores
-  of GLA, KDA and RWKV-7 came out up to 6e-3 off in float32.
+  `_sums_between`), never a difference of two cumulative sums: after a step of log-decay -1000,
+  such a difference of the later steps' decays carried the rounding of 1000 (6e-5), and the
+  scores of GLA, KDA and RWKV-7 came out up to 6e-3 off in float32.
   """
   size = g.shape[3]
   sub = _block_size(size)
@@ -472,7 +467,9 @@ def _blocked_scores(xs, ys, g, index, precision, strict, factored):
   spans = (block[None, None, :] > block[None, :, None]) & (block[None, None, :] < block[:, None, None])
   crossed = _sums_between(jnp.sum(blocks(g), axis=4),  # (Z, H, n, m, K) per block, then (i, j)
                           spans.reshape((m * m, m)).astype(g.dtype))
-  gaps = after[:, :, :, None] + jnp.repeat(crossed.reshape((*g.shape[:3], m, m, -1)), sub, axis=4)
+  # (Z, H, n, i, j, c, K) -> (Z, H, n, m, C, K): s = j c + its step in block j
+  gaps = (after.reshape((*g.shape[:3], 1, m, sub, -1))
+          + crossed.reshape((*g.shape[:3], m, m, 1, -1))).reshape((*g.shape[:3], m, size, -1))
   y_scale = jnp.exp(jnp.where(earlier[..., None], gaps, -jnp.inf))  # (Z, H, n, m, C, K)
   lower = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)[None, None, None, None]
   if factored:  # exp(e_i - by_s) < exp(limit) inside block i
@@ -492,11 +489,8 @@ def _blocked_scores(xs, ys, g, index, precision, strict, factored):
     inner = jnp.arange(sub)
     pair = ((inner[None, None, :] > inner[None, :, None])
             & (inner[None, None, :] <= inner[:, None, None] - strict))  # (t, s, r)
-    flat_g = flat(g)
-    sums = jnp.matmul(jnp.broadcast_to(pair.reshape((sub * sub, sub)).astype(g.dtype),
-                                       (flat_g.shape[0], sub * sub, sub)), flat_g,
-                      precision=lax.Precision.HIGHEST).reshape((-1, sub, sub, g.shape[-1]))
-    inside = jnp.exp(jnp.where(mask, sums, -jnp.inf))
+    sums = _sums_between(flat(g), pair.reshape((sub * sub, sub)).astype(g.dtype))
+    inside = jnp.exp(jnp.where(mask, sums.reshape(mask.shape[:3] + sums.shape[-1:]), -jnp.inf))
   eye = jnp.eye(m, dtype=g.dtype)
 
   def scores(x, y):
