@@ -170,11 +170,11 @@ def cumulative(g: Array, seg: Segments, behind: bool = False) -> Array:
 
 
 def _sums_between(g: Array, steps: Array) -> Array:
-  """sum_r steps[..., r] g_r: one product in full precision with a constant 0/1 mask.
+  """sum_r steps[..., r] g_r: one product in full precision with a 0/1 mask.
 
   Per head, over the chunk axis 3 of `g` `(Z, H, n, C)`, with `steps` `(C, C)` or `(C, C, C)`,
   whose leading axes come out after n; per key, over the second last axis of `g` `(..., C, K)`,
-  with `steps` `(P, C)`: `(..., P, K)`.
+  with `steps` `(P, C)`, or one such mask per leading row of `g`: `(..., P, K)`.
 
   Each sum adds the decays of its own steps, so it keeps float32's relative precision however
   far the chunk decayed before them. A difference of cumulative sums b_t - b_s would carry the
@@ -186,7 +186,7 @@ def _sums_between(g: Array, steps: Array) -> Array:
     free = "ts"[:steps.ndim - 1]
     return jnp.einsum(f"zhnr,{free}r->zhn{free}", g, steps, precision=lax.Precision.HIGHEST)
   # per key: the mask batched over the chunks, as `cumulative` does
-  return jnp.matmul(jnp.broadcast_to(steps, (*g.shape[:-2], *steps.shape)), g,
+  return jnp.matmul(jnp.broadcast_to(steps, (*g.shape[:-2], *steps.shape[-2:])), g,
                     precision=lax.Precision.HIGHEST)
 
 
@@ -429,7 +429,7 @@ def _block_sums(g: Array, sub: int, index: Array | None = None, behind: bool = F
     mask = mask & (segment[..., :, None] == segment[..., None, :])
   blocked = g.reshape((-1, sub, g.shape[-1]))  # (Z H n m, c, K)
   mask = jnp.broadcast_to(mask, (*g.shape[:3], g.shape[3] // sub, sub, sub)).reshape((-1, sub, sub))
-  return jnp.matmul(mask.astype(g.dtype), blocked, precision=lax.Precision.HIGHEST).reshape(g.shape)
+  return _sums_between(blocked, mask.astype(g.dtype)).reshape(g.shape)
 
 
 def _blocked_scores(xs, ys, g, index, precision, strict, factored):
