@@ -64,6 +64,8 @@ REWRITTEN = {"lfm2": ("intermediate_size", "block_auto_adjust_ff_dim")}
 # takes 8-14 s on a 2-core machine.
 FINE_TUNED = ["mamba", "mamba2", "recurrent_gemma", "qwen3_5_text", "qwen3_next", "kimi_linear",
               "falcon_h1", "jamba", "lfm2"]
+# Trained with `model.scan_blocks`: its three blocks of one layer as one scanned block.
+SCANNED = "falcon_h1"
 
 
 @pytest.fixture(autouse=True)
@@ -503,6 +505,26 @@ def _scanned(model, variables):
   return model.clone(scan_blocks=True), {"params": params}
 
 
+def test_blocks_under_scan_compute_the_logits_and_greedy_text_of_transformers(tmp_path):
+  """`scan_blocks=True` cuts the layers to their shortest period under `nn.scan` (Bamba's three
+  blocks, Mamba-2, attention, Mamba-2: one repeat of two and a tail of one; the fine-tuning test
+  scans Falcon-H1's one layer): transformers' logits and greedy text through the stacked
+  recurrent states and KV caches, NNX's logits, and `save` writes the checkpoint's own tensors
+  back."""
+  expected = _expected("bamba")
+  ids, steps = expected["input_ids"], expected["generated"].shape[1]
+  model, variables, _ = ssmkit.pretrained.load(FIXTURES / "bamba", scan_blocks=True)
+  assert model.scan_blocks and len(model.layer) == 2 and "tail" in variables["params"]
+  assert _relative_error(compiled.run(model)(variables, ids), expected["logits"]) < 1e-4
+  np.testing.assert_array_equal(layers.generate(model, variables, ids, steps, temperature=0.0),
+                                expected["generated"])
+  twin, _, _ = ssmkit.pretrained.load(FIXTURES / "bamba", nnx=True, scan_blocks=True)
+  assert _relative_error(nnx.jit(lambda m, x: m(x))(twin, ids), expected["logits"]) < 1e-4
+  ssmkit.pretrained.save(model, variables, tmp_path / "saved", source=FIXTURES / "bamba")
+  jax.tree.map(np.testing.assert_array_equal, ssmkit.pretrained.load(tmp_path / "saved")[1],
+               ssmkit.pretrained.load(FIXTURES / "bamba")[1])
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
   """As its source's architecture (Qwen3-Next's and Qwen3.5-MoE's models are the same ssmkit
@@ -753,13 +775,15 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
   overrides = [f"model.pretrained={FIXTURES / name}", f"data.path={_word_corpus(tmp_path / 'c')}",
                "data.seq_len=16", "data.batch_size=2", "data.validation_fraction=0.3",
                "optimizer.warmup_steps=0", "optimizer.learning_rate=0.01", "train.steps=4",
-               "train.log_every=4", "train.eval_every=0", "mesh.data=1"]
+               "train.log_every=4", "train.eval_every=0", "mesh.data=1",
+               f"model.scan_blocks={name == SCANNED}"]
   workdir, out = tmp_path / "run", tmp_path / "out"
   assert cli.main(["train", "lm_mamba", "--workdir", str(workdir), *overrides]) == 0
   assert cli.main(["export", "--workdir", str(workdir), str(out)]) == 0
   model, variables, _ = train.load(workdir)
   variables = jax.device_get(variables)  # as `load`'s, so one program serves both
-  loaded, again, config = ssmkit.pretrained.load(out)
+  assert model.scan_blocks == (name == SCANNED)
+  loaded, again, config = ssmkit.pretrained.load(out, scan_blocks=model.scan_blocks)
   tokens = _expected(name)["input_ids"]
   logits = np.asarray(compiled.run(model)(variables, tokens))
   np.testing.assert_array_equal(compiled.run(loaded)(again, tokens), logits)
@@ -769,7 +793,7 @@ def test_a_fine_tuned_checkpoint_saves_back_as_its_architecture(name, tmp_path, 
   # texts have the tokens' shape: the three models are one (a checkpoint loads to equal
   # models), compiled once.
   texts = np.random.default_rng(5).integers(3, 96, (8, *tokens.shape))
-  fixture, weights, _ = ssmkit.pretrained.load(FIXTURES / name)
+  fixture, weights, _ = ssmkit.pretrained.load(FIXTURES / name, scan_blocks=model.scan_blocks)
   assert fixture == loaded == model and len({fixture, loaded, model}) == 1  # one cache key
   steps = min(16, tokens.shape[1])
 

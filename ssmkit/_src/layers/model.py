@@ -166,6 +166,19 @@ def scanned_counts(model: Any) -> tuple[int, int]:
   return divmod(model.num_blocks, len(layer_pattern(model.layer)))
 
 
+def scanned_place(model: Any, index: int) -> tuple[str, str, int]:
+  """Where block `index` of a model with `scan_blocks` keeps its variables: the scan's name
+  ("blocks", or "tail" for the partial last repeat), the block's name in it, and its position
+  on the stacked leading axis."""
+  if callable(model.layer):
+    return "blocks", "block", index
+  size = len(layer_pattern(model.layer))
+  repeats, _ = scanned_counts(model)
+  if index < repeats * size:
+    return "blocks", f"block_{index % size}", index // size
+  return "tail", f"block_{index % size}", 0
+
+
 def output_logits(model: Any, logits: Array) -> Array:
   """The decoder's outputs of a `SequenceModel` of either front end divided by its
   `logits_scaling`, then soft-capped to `cap * tanh(logits / cap)` by its `logit_cap`."""

@@ -11,7 +11,7 @@ import numpy as np
 from flax import traverse_util
 
 from ssmkit._src.layers.common import check_float_dtype
-from ssmkit._src.layers.model import SequenceModel
+from ssmkit._src.layers.model import SequenceModel, layer_pattern, norm_positions, scanned_place
 from ssmkit._src.pretrained import (
   bamba,
   falcon_h1,
@@ -84,7 +84,7 @@ def _variable_shapes(model: SequenceModel) -> Any:
 
 
 def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = False,
-         abstract: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+         abstract: bool = False, scan_blocks: bool = False) -> tuple[Any, Any, dict[str, Any]]:
   """A published checkpoint as an ssmkit language model: `(model, variables, config)`.
 
   Reads `config.json` and the safetensors weights (one file or the shards of an index) of a
@@ -102,6 +102,12 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
       checkpoint's shapes and float32 (e.g. the template of a checkpoint of a fine-tuning run,
       or a model of the same architecture to initialise afresh), and no weights are read or
       downloaded.
+    scan_blocks: run the blocks under `nn.scan`, the layers' pattern cut to its shortest period
+      (Qwen3.5's three Gated DeltaNet blocks and one attention block, Jamba's eight, one for
+      Mamba), each place's parameters stacked over the repeats: the model computes the same
+      logits, and compiling it (its forward, `generate`, a fine-tuning step) takes one period
+      of blocks, not every layer. A pattern without a shorter period (Kimi Linear's dense first
+      layer) is scanned once. `save` writes such a model back block by block.
 
   Returns:
     `(model, variables, config)`: the linen model and `{"params": ...}`, or with `nnx` the NNX
@@ -133,7 +139,8 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   if wrapper is not None:
     fields = _language_model(fields)
     ignored, renamed = (*ignored, *wrapper.ignored), (wrapper.prefix, "model.")
-  model = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
+  unrolled = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
+  model = _scanned(unrolled) if scan_blocks else unrolled
   try:
     shapes = _variable_shapes(model)
   except ValueError as error:
@@ -143,8 +150,10 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   else:
     tensors = Tensors(dequantized(read_weights(directory), values, directory), directory,
                       ignored=ignored, renamed=renamed)
-    params = architecture.params(tensors, fields, model)
+    params = architecture.params(tensors, fields, unrolled)
     tensors.finish()
+    if scan_blocks:
+      params = _stacked(model, params)
     _check_tree(shapes["params"], params, directory)
     variables = {"params": jax.tree.map(np.asarray, params)}
   if nnx:
@@ -156,6 +165,31 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     twin = flax_nnx.eval_shape(convert, variables) if abstract else convert(variables)
     return twin, flax_nnx.state(twin), values
   return model, variables, values
+
+
+def _scanned(model: SequenceModel) -> SequenceModel:
+  """`model` with its blocks under `nn.scan` and its layer pattern (with the blocks' norm
+  positions) cut to the shortest period of its blocks."""
+  if callable(model.layer):
+    return model.clone(scan_blocks=True)
+  pattern, positions = layer_pattern(model.layer), norm_positions(model)
+  places = [(pattern[i % len(pattern)], positions[i % len(pattern)])
+            for i in range(model.num_blocks)]
+  size = next(p for p in range(1, len(places) + 1)
+              if all(place == places[i % p] for i, place in enumerate(places)))
+  norm_position = model.norm_position if isinstance(model.norm_position, str) else positions[:size]
+  return model.clone(layer=pattern[:size], norm_position=norm_position, scan_blocks=True)
+
+
+def _stacked(model: SequenceModel, params: dict[str, Any]) -> dict[str, Any]:
+  """Parameters of blocks `block_0`, `block_1`, ... restacked for `model`'s `nn.scan`."""
+  stacked = {name: value for name, value in params.items() if not name.startswith("block_")}
+  groups: dict[tuple[str, str], list[Any]] = {}
+  for i in range(model.num_blocks):  # each group's blocks in the order of its stacked axis
+    groups.setdefault(scanned_place(model, i)[:2], []).append(params[f"block_{i}"])
+  for (scan, name), blocks in groups.items():
+    stacked.setdefault(scan, {})[name] = jax.tree.map(lambda *leaves: np.stack(leaves), *blocks)
+  return stacked
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers.common import check_positive_int
-from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_counts
+from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_place
 from ssmkit._src.pretrained.files import CONFIG, INDEX, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
 
@@ -212,13 +212,8 @@ def _blocks(model: SequenceModel, params: dict[str, Any]) -> list[dict[str, Any]
   """The parameters of each block in order, unstacked where the blocks run under `nn.scan`."""
   if not model.scan_blocks:
     return [params[f"block_{i}"] for i in range(model.num_blocks)]
-  take = lambda tree, index: jax.tree.map(lambda v: v[index], tree)
-  if callable(model.layer):
-    return [take(params["blocks"]["block"], i) for i in range(model.num_blocks)]
-  repeats, _ = scanned_counts(model)
-  size = len(model.layer)
-  return [take(params["blocks"][f"block_{i % size}"], i // size) if i < repeats * size
-          else take(params["tail"][f"block_{i % size}"], 0) for i in range(model.num_blocks)]
+  places = (scanned_place(model, i) for i in range(model.num_blocks))
+  return [jax.tree.map(lambda v, at=at: v[at], params[scan][name]) for scan, name, at in places]
 
 
 def _carry(source: str | pathlib.Path, folder: pathlib.Path) -> dict[str, Any]:

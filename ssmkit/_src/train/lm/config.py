@@ -41,7 +41,8 @@ class LMModelConfig(ModelConfig):
   # A Hugging Face checkpoint to fine-tune (a directory, or a hub id with the hub extra):
   # its architecture and weights replace this section's layer, width, depth, block, norm, MLP
   # and head options and the initialisation, and its tokenizer.json tokenises the text
-  # (`data.tokenizer` stays null); dropout_rate, dtype, param_dtype and mode still apply.
+  # (`data.tokenizer` stays null); dropout_rate, dtype, param_dtype, mode and scan_blocks
+  # (the checkpoint's blocks under `nn.scan`, by the shortest period of its layers) still apply.
   pretrained: str | None = None
 
 

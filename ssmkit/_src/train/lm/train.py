@@ -83,7 +83,8 @@ def model(config: LMConfig, dataset: data.TextDataset, abstract: bool = False) -
   if section.pretrained is None:
     return supervised.configured_model(config, dataset)
   with _checkpoint_errors():
-    network, variables, _ = pretrained.load(section.pretrained, abstract=abstract)
+    network, variables, _ = pretrained.load(section.pretrained, abstract=abstract,
+                                            scan_blocks=section.scan_blocks)
   if network.vocab_size < dataset.vocab_size:
     raise ConfigError(f"`model.pretrained`: the checkpoint reads {network.vocab_size} tokens, fewer "
                       f"than its tokenizer's {dataset.vocab_size}.")

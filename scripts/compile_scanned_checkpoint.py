@@ -1,0 +1,54 @@
+"""Compile time of a deep published architecture with its blocks unrolled and under `nn.scan`.
+
+Takes a fixture's config.json (`tests/fixtures/pretrained/NAME`), deepens it to LAYERS layers
+(its `layer_types` cycled), and compiles the model's forward pass and the gradient of its
+summed logits (B=2, T=40) from `ssmkit.pretrained.load(..., abstract=True)`, without and with
+`scan_blocks=True`. Run with the persistent compilation cache off so that nothing is read back:
+
+  JAX_ENABLE_COMPILATION_CACHE=false python scripts/compile_scanned_checkpoint.py qwen3_next 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+import ssmkit.pretrained
+
+FIXTURES = pathlib.Path(__file__).parents[1] / "tests" / "fixtures" / "pretrained"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("name", help="a fixture under tests/fixtures/pretrained")
+  parser.add_argument("layers", type=int, help="the depth to compile")
+  args = parser.parse_args()
+  config = json.loads((FIXTURES / args.name / "config.json").read_text())
+  text = config.get("text_config", config)
+  depth, text["num_hidden_layers"] = text["num_hidden_layers"], args.layers
+  if "layer_types" in text:
+    text["layer_types"] = [text["layer_types"][i % depth] for i in range(args.layers)]
+  folder = pathlib.Path(tempfile.mkdtemp())
+  (folder / "config.json").write_text(json.dumps(config))
+  ids = jax.ShapeDtypeStruct((2, 40), jnp.int32)
+  for scan in (False, True):
+    model, shapes, _ = ssmkit.pretrained.load(folder, abstract=True, scan_blocks=scan)
+    loss = lambda variables, ids, model=model: model.apply(variables, ids).sum()
+    for what, function in (("forward", model.apply), ("gradient", jax.grad(loss))):
+      start = time.perf_counter()
+      lowered = jax.jit(function).lower(shapes, ids)
+      traced = time.perf_counter()
+      lowered.compile()
+      done = time.perf_counter()
+      print(f"{args.name} {args.layers} layers, scan_blocks={scan}, {what}: traced and lowered "
+            f"in {traced - start:.1f} s, compiled in {done - traced:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
