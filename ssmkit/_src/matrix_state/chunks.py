@@ -229,10 +229,15 @@ def pairwise_decay(g: Array, causal: Array) -> Array:
   are replaced before `exp`, so neither the values nor the gradients see an overflowing
   exp of s > t.
   """
-  step = jnp.arange(g.shape[3])
-  # (t, s, r): the steps r in (s, t]
-  between = (step[None, None, :] > step[None, :, None]) & (step[None, None, :] <= step[:, None, None])
-  return jnp.exp(jnp.where(causal, _sums_between(g, between.astype(g.dtype)), -jnp.inf))
+  between = _steps_between(g.shape[3]).astype(g.dtype)
+  return jnp.exp(jnp.where(causal, _sums_between(g, between), -jnp.inf))
+
+
+def _steps_between(size: int, strict: bool = False) -> Array:
+  """`(t, s, r)` True where step r of `size` lies in (s, t], or in (s, t) with `strict`."""
+  step = jnp.arange(size)
+  return (step[None, None, :] > step[None, :, None]) & (
+      step[None, None, :] <= step[:, None, None] - strict)
 
 
 # How far a chunk may decay, per width of the accumulation dtype, for its scores to be one
@@ -485,10 +490,8 @@ def _blocked_scores(xs, ys, g, index, precision, strict, factored):
     flat = lambda a: a.reshape((-1, sub, a.shape[-1]))  # (Z H n m, c, K)
     mask = flat(jnp.broadcast_to(lower, (*x_scale.shape[:4], sub, sub)))[..., None]
     # exp(bx_t - by_s): the steps r of (s, t] of the block, (s, t) with `strict`
-    inner = jnp.arange(sub)
-    pair = ((inner[None, None, :] > inner[None, :, None])
-            & (inner[None, None, :] <= inner[:, None, None] - strict))  # (t, s, r)
-    sums = _sums_between(flat(g), pair.reshape((sub * sub, sub)).astype(g.dtype))
+    pair = _steps_between(sub, strict).reshape((sub * sub, sub))
+    sums = _sums_between(flat(g), pair.astype(g.dtype))
     inside = jnp.exp(jnp.where(mask, sums.reshape(mask.shape[:3] + sums.shape[-1:]), -jnp.inf))
   eye = jnp.eye(m, dtype=g.dtype)
 
