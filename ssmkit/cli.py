@@ -209,7 +209,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.pretrained is not None:
       from ssmkit import pretrained
 
-      model, variables, _ = pretrained.load(args.pretrained)
+      # Scanned: decoding compiles one period of blocks, not every layer (docs/pretrained.md).
+      model, variables, _ = pretrained.load(args.pretrained, scan_blocks=True)
       print(pretrained.complete(model, variables, pretrained.tokenizer(args.pretrained), args.prompt,
                                 args.max_tokens, **sampling))
       return 0
