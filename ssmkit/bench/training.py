@@ -14,10 +14,10 @@ shardings, `mesh.fsdp`), and XLA's arguments and temporary buffers of the compil
 device.
 
 Families: a model of about 1B parameters of each family `ssmkit.pretrained` loads (its
-config.json fields in `FAMILIES`, built as `load` builds it, blocks under `nn.scan`) is
-compiled the same way, fully sharded over every device, as a fine-tuning run from such a
-checkpoint trains it; the families with experts once more with them split over an "expert"
-axis of `EXPERT_SPLIT` devices.
+config.json fields in `FAMILIES`, built as `load(..., scan_blocks=True)` builds it: blocks
+under `nn.scan`, one period of its layer pattern per repeat) is compiled the same way, fully
+sharded over every device, as a fine-tuning run from such a checkpoint trains it; the families
+with experts once more with them split over an "expert" axis of `EXPERT_SPLIT` devices.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit import data, layers, train
-from ssmkit._src.layers.model import layer_pattern
+from ssmkit._src.layers.model import layer_pattern, with_scanned_blocks
 from ssmkit._src.layers.registry import registry_name
 from ssmkit._src.pretrained.config import Fields
 from ssmkit._src.pretrained.load import MODEL_TYPES
@@ -176,13 +176,14 @@ def _held_bytes(tree: Any, shardings: Any) -> int:
 
 
 def _family_model(name: str, shapes: str) -> Any:
-  """The `SequenceModel` of the family `name` (blocks under `nn.scan`), as `ssmkit.pretrained`
-  builds it from the config.json fields of `FAMILIES` (shrunk for the "small" suite)."""
+  """The `SequenceModel` of the family `name`, as `ssmkit.pretrained.load(...,
+  scan_blocks=True)` builds it from the config.json fields of `FAMILIES` (shrunk for the
+  "small" suite): its blocks under `nn.scan`, one period of its layer pattern per repeat."""
   model_type, values = FAMILIES[name]
   if shapes == "small":
     values = {**values, **_SMALL_FAMILIES[name], "vocab_size": 64}
   options = MODEL_TYPES[model_type].options(Fields(values, f"FAMILIES[{name!r}]"))
-  return layers.SequenceModel(**options, scan_blocks=True)
+  return with_scanned_blocks(layers.SequenceModel(**options))
 
 
 def _has_experts(model: Any) -> bool:
@@ -267,9 +268,10 @@ def run(*, shapes: str, repeats: int, markdown: bool, configs: list[str] | None 
   families = list(FAMILIES) if shapes == "full" else list(_SMALL_FAMILIES)
   print()
   print(f"Memory per device of a train step of a model of each family ssmkit.pretrained loads "
-        f"(about 1B parameters; blocks under nn.scan), one row of {config.data.seq_len} tokens "
-        f"per device, fully sharded over {len(devices)} device(s) (fsdp={len(devices)}); in the "
-        f"rows \"(expert={EXPERT_SPLIT})\" the experts are split over {EXPERT_SPLIT} of them "
+        f"(about 1B parameters; blocks under nn.scan, one period of the layer pattern per "
+        f"repeat), one row of {config.data.seq_len} tokens per device, fully sharded over "
+        f"{len(devices)} device(s) (fsdp={len(devices)}); in the rows "
+        f"\"(expert={EXPERT_SPLIT})\" the experts are split over {EXPERT_SPLIT} of them "
         f"(mesh.expert) and fsdp over the rest.")
   print()
   models = {name: _family_model(name, shapes) for name in families}

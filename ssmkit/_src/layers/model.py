@@ -179,6 +179,22 @@ def scanned_place(model: Any, index: int) -> tuple[str, str, int]:
   return "tail", f"block_{index % size}", 0
 
 
+def with_scanned_blocks(model: Any) -> Any:
+  """A linen `SequenceModel` with its blocks under `nn.scan` and its layer pattern, with the
+  blocks' norm positions, cut to the shortest period of its blocks: a model given one factory
+  per block (as `ssmkit.pretrained.load` builds them) compiles one period of them, not every
+  block."""
+  if callable(model.layer):
+    return model.clone(scan_blocks=True)
+  pattern, positions = layer_pattern(model.layer), norm_positions(model)
+  places = [(pattern[i % len(pattern)], positions[i % len(pattern)])
+            for i in range(model.num_blocks)]
+  size = next(p for p in range(1, len(places) + 1)
+              if all(place == places[i % p] for i, place in enumerate(places)))
+  norm_position = model.norm_position if isinstance(model.norm_position, str) else positions[:size]
+  return model.clone(layer=pattern[:size], norm_position=norm_position, scan_blocks=True)
+
+
 def output_logits(model: Any, logits: Array) -> Array:
   """The decoder's outputs of a `SequenceModel` of either front end divided by its
   `logits_scaling`, then soft-capped to `cap * tanh(logits / cap)` by its `logit_cap`."""

@@ -11,7 +11,7 @@ import numpy as np
 from flax import traverse_util
 
 from ssmkit._src.layers.common import check_float_dtype
-from ssmkit._src.layers.model import SequenceModel, layer_pattern, norm_positions, scanned_place
+from ssmkit._src.layers.model import SequenceModel, scanned_place, with_scanned_blocks
 from ssmkit._src.pretrained import (
   bamba,
   falcon_h1,
@@ -140,7 +140,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     fields = _language_model(fields)
     ignored, renamed = (*ignored, *wrapper.ignored), (wrapper.prefix, "model.")
   unrolled = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
-  model = _scanned(unrolled) if scan_blocks else unrolled
+  model = with_scanned_blocks(unrolled) if scan_blocks else unrolled
   try:
     shapes = _variable_shapes(model)
   except ValueError as error:
@@ -165,20 +165,6 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     twin = flax_nnx.eval_shape(convert, variables) if abstract else convert(variables)
     return twin, flax_nnx.state(twin), values
   return model, variables, values
-
-
-def _scanned(model: SequenceModel) -> SequenceModel:
-  """`model` with its blocks under `nn.scan` and its layer pattern (with the blocks' norm
-  positions) cut to the shortest period of its blocks."""
-  if callable(model.layer):
-    return model.clone(scan_blocks=True)
-  pattern, positions = layer_pattern(model.layer), norm_positions(model)
-  places = [(pattern[i % len(pattern)], positions[i % len(pattern)])
-            for i in range(model.num_blocks)]
-  size = next(p for p in range(1, len(places) + 1)
-              if all(place == places[i % p] for i, place in enumerate(places)))
-  norm_position = model.norm_position if isinstance(model.norm_position, str) else positions[:size]
-  return model.clone(layer=pattern[:size], norm_position=norm_position, scan_blocks=True)
 
 
 def _stacked(model: SequenceModel, params: dict[str, Any]) -> dict[str, Any]:
