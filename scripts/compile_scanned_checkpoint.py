@@ -1,11 +1,12 @@
 """Compile time of a deep published architecture with its blocks unrolled and under `nn.scan`.
 
 Takes a fixture's config.json (`tests/fixtures/pretrained/NAME`), deepens it to LAYERS layers
-(its `layer_types` cycled), and compiles the model's forward pass and the gradient of its
-summed logits (B=2, T=40) from `ssmkit.pretrained.load(..., abstract=True)`, without and with
-`scan_blocks=True`; then times greedy `generate` of 16 tokens after a prompt of 8 (parameters
-all 0.01), its first call (compiling) and a second. Run with the persistent compilation cache
-off so that nothing is read back:
+(its `layer_types` cycled, Kimi Linear's `mlp_layer_types` continued by their last), and
+compiles the model's forward pass and the gradient of its summed logits (B=2, T=40) from
+`ssmkit.pretrained.load(..., abstract=True)`, without and with `scan_blocks=True`; then times
+greedy `generate` of 16 tokens after a prompt of 8 (parameters all 0.01), its first call
+(compiling) and a second. Run with the persistent compilation cache off so that nothing is read
+back:
 
   JAX_ENABLE_COMPILATION_CACHE=false python scripts/compile_scanned_checkpoint.py qwen3_next 48
 """
@@ -38,6 +39,8 @@ def main() -> None:
   depth, text["num_hidden_layers"] = text["num_hidden_layers"], args.layers
   if "layer_types" in text:
     text["layer_types"] = [text["layer_types"][i % depth] for i in range(args.layers)]
+  if "mlp_layer_types" in text:  # Kimi Linear's: the added layers' MLPs as the last layer's
+    text["mlp_layer_types"] = [text["mlp_layer_types"][min(i, depth - 1)] for i in range(args.layers)]
   folder = pathlib.Path(tempfile.mkdtemp())
   (folder / "config.json").write_text(json.dumps(config))
   ids = jax.ShapeDtypeStruct((2, 40), jnp.int32)

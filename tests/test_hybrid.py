@@ -129,6 +129,12 @@ def test_norm_eps_reaches_every_norm_of_both_front_ends():
   assert snx.to_linen(twin)[0].norm_eps == 0.5
   with pytest.raises(ValueError, match=r"`norm_eps` must be > 0 or None, got 0.0"):
     compiled.init(_model(num_blocks=2, norm_eps=0.0), x.shape, 0, "int32")
+  for value in (3, -1, 1.0):  # at least one place of the pattern of 3 must cycle
+    with pytest.raises(ValueError, match=rf"`head_blocks` must be an int .* \(2\), got {value}"):
+      compiled.init(_model(num_blocks=2, head_blocks=value), x.shape, 0, "int32")
+    with pytest.raises(ValueError, match=r"`head_blocks` must be an int"):
+      snx.SequenceModel(None, VOCAB, vocab_size=VOCAB, layer=PATTERNS["griffin"], head_blocks=value,
+                        rngs=nnx.Rngs(0))
   for name, value in (("dtype", "bfloat17"), ("dtype", "int32"), ("param_dtype", None)):
     with pytest.raises(ValueError, match=rf"`{name}` must be a floating dtype .* got {value!r}"):
       compiled.init(_model(num_blocks=2, **{name: value}), x.shape, 0, "int32")
@@ -143,15 +149,18 @@ def _model(pattern="griffin", **kwargs):
   return layers.SequenceModel(**{**config, **kwargs})
 
 
-# (pattern, scan_blocks, num_blocks): unrolled; scanned with a tail (4 = 3 + 1); scanned whole.
-HYBRIDS = [("griffin", False, 4), ("griffin", True, 4), ("deltanet-attention", True, 4)]
+# (pattern, scan_blocks, num_blocks, head_blocks): unrolled; scanned with a tail (4 = 3 + 1);
+# scanned whole; scanned with a head, repeats and a tail (6 = 1 + 2 x 2 + 1).
+HYBRIDS = [("griffin", False, 4, 0), ("griffin", True, 4, 0), ("deltanet-attention", True, 4, 0),
+           ("griffin", True, 6, 1)]
 
 
-@pytest.mark.parametrize(("pattern", "scan_blocks", "num_blocks"), HYBRIDS)
-def test_hybrid_sequence_equals_stepping_from_a_prefill_with_resets(pattern, scan_blocks, num_blocks):
+@pytest.mark.parametrize(("pattern", "scan_blocks", "num_blocks", "head_blocks"), HYBRIDS)
+def test_hybrid_sequence_equals_stepping_from_a_prefill_with_resets(pattern, scan_blocks, num_blocks,
+                                                                    head_blocks):
   """A prompt's final state, then a continuation stepped from it (attention caches and recurrent
   states in one pytree), equals the continuation run as one sequence from that state."""
-  model = _model(pattern, scan_blocks=scan_blocks, num_blocks=num_blocks)
+  model = _model(pattern, scan_blocks=scan_blocks, num_blocks=num_blocks, head_blocks=head_blocks)
   prompt, x = _tokens((3, 6), 1), _tokens((3, 13), 2)
   reset = np.random.default_rng(3).random((3, 13)) < 0.2
   variables = compiled.init(model, x.shape, 0, "int32")
@@ -173,31 +182,39 @@ def test_hybrid_sequence_equals_stepping_from_a_prefill_with_resets(pattern, sca
   _assert_close(compiled.run(model)(variables, whole, None, joined_reset)[:, 6:], y, rtol=1e-4)
 
 
-def _restacked(unrolled, pattern_length, num_blocks):
+def _restacked(unrolled, pattern_length, num_blocks, head=0):
   """The parameters of an unrolled model laid out as the scanned model holds them."""
   params = dict(unrolled)
   blocks = [params.pop(f"block_{i}") for i in range(num_blocks)]
-  repeats, rest = divmod(num_blocks, pattern_length)
   stack = lambda trees: jax.tree.map(lambda *b: jnp.stack(b), *trees)
-  params["blocks"] = {f"block_{j}": stack(blocks[j:repeats * pattern_length:pattern_length])
-                      for j in range(pattern_length)}
+  if head:
+    params["head"] = {f"block_{j}": stack([blocks[j]]) for j in range(head)}
+  blocks, size = blocks[head:], pattern_length - head
+  repeats, rest = divmod(len(blocks), size)
+  params["blocks"] = {f"block_{j}": stack(blocks[j:repeats * size:size]) for j in range(size)}
   if rest:
-    params["tail"] = {f"block_{j}": stack([blocks[repeats * pattern_length + j]]) for j in range(rest)}
+    params["tail"] = {f"block_{j}": stack([blocks[repeats * size + j]]) for j in range(rest)}
   return params
 
 
-@pytest.mark.parametrize("num_blocks", [3, 5])
-def test_scanned_pattern_equals_the_unrolled_blocks(num_blocks):
-  """Block i of the unrolled model is repeat i // 3 of pattern position i % 3 in the scan."""
-  unrolled = _model(num_blocks=num_blocks)
-  scanned = _model(num_blocks=num_blocks, scan_blocks=True)
+@pytest.mark.parametrize(("num_blocks", "head_blocks"), [(3, 0), (5, 0), (6, 1)])
+def test_scanned_pattern_equals_the_unrolled_blocks(num_blocks, head_blocks):
+  """Block i of the unrolled model is repeat i // 3 of pattern position i % 3 in the scan; with
+  a head of one, block 0 is the head's and blocks 1, 2, ... cycle over positions 1 and 2, as in
+  the unrolled model given those places one per block."""
+  unrolled = _model(num_blocks=num_blocks, head_blocks=head_blocks)
+  scanned = _model(num_blocks=num_blocks, head_blocks=head_blocks, scan_blocks=True)
   x = _tokens((2, 12))
   params = compiled.init(unrolled, x.shape, 0, "int32")["params"]
-  stacked = _restacked(params, 3, num_blocks)
+  stacked = _restacked(params, 3, num_blocks, head_blocks)
   assert (jax.tree.structure(stacked)
           == jax.tree.structure(compiled.init(scanned, x.shape, 0, "int32")["params"]))
-  _assert_close(compiled.run(scanned)({"params": stacked}, x),
-                compiled.run(unrolled)({"params": params}, x), rtol=1e-4)
+  want = compiled.run(unrolled)({"params": params}, x)
+  _assert_close(compiled.run(scanned)({"params": stacked}, x), want, rtol=1e-4)
+  if head_blocks:
+    rglru, _, attention = PATTERNS["griffin"]
+    places = _model(num_blocks=num_blocks, layer=(rglru, rglru, attention, rglru, attention, rglru))
+    _assert_close(compiled.run(places)({"params": params}, x), want, rtol=1e-6)
 
 
 def test_packed_documents_equal_each_document_alone():

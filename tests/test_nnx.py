@@ -354,10 +354,11 @@ MODELS = {
     "S5-scanned-tokens": dict(layer="S5", scan_blocks=True, vocab_size=7, num_outputs=7, pooling="none"),
     "S4D-bidirectional-layer-norm-postnorm": dict(layer="S4D-bidirectional", norm="layer",
                                                   activation="gelu", prenorm=False, pooling="last"),
-    # Griffin's pattern, 4 blocks: one scanned repeat of the 3 and a tail of one.
-    "Griffin-scanned-tail-lm-head": dict(
+    # Griffin's pattern, 4 blocks, the first a head: after it one scanned repeat of the last
+    # two places and a tail of one (the linen models' tests scan it without a head too).
+    "Griffin-scanned-head-tail-lm-head": dict(
         layer=("RGLRU", "RGLRU", "Attention"), block="mixer", mlp="geglu", mlp_expansion=1.5,
-        num_blocks=4, scan_blocks=True, vocab_size=7, num_outputs=7, pooling="none",
+        num_blocks=4, scan_blocks=True, head_blocks=1, vocab_size=7, num_outputs=7, pooling="none",
         tie_embeddings=True, scale_embeddings=True, logit_cap=3.0),
     "Mamba-Attention-unrolled-swiglu-bfloat16": dict(
         layer=("Mamba", "Attention"), block="mixer", norm="rms", mlp="swiglu", mlp_bias=True,
@@ -532,6 +533,19 @@ def test_the_trainers_optimizer_groups_label_nnx_parameters_as_linen_ones():
       parameter_labels(variables["params"], pattern)))
   assert labels["tail"][0]["mixer"]["nu_log"].get_value() == "ssm"
   assert labels["blocks"][1]["mixer"]["q_proj"].get_value() == "decay"
+  # With a head of one (attention): one repeat of two LRU blocks and a tail of one after it,
+  # where block 3 unrolled is place 1 (3 mod 3 would be the attention's place).
+  pattern = ("attention", "lru", "lru")
+  for scan in (True, False):
+    model, _, variables = _models(layer=tuple(SMALL[n][0] for n in ("Attention", "LRU", "LRU")),
+                                  num_blocks=4, scan_blocks=scan, head_blocks=1, block="mixer")
+    labels = parameter_labels(nnx.state(model, nnx.Param), pattern, head_blocks=1)
+    assert sorted(jax.tree.leaves(labels)) == sorted(jax.tree.leaves(
+        parameter_labels(variables["params"], pattern, head_blocks=1)))
+    blocks = ([labels["head"][0], labels["blocks"][0], labels["blocks"][1], labels["tail"][0]]
+              if scan else [labels["blocks"][i] for i in range(4)])
+    assert [b["mixer"]["nu_log" if i else "q_proj"].get_value() for i, b in enumerate(blocks)] == [
+        "decay", "ssm", "ssm", "ssm"]
 
 
 def test_split_and_merge_round_trip():

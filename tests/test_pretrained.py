@@ -525,6 +525,40 @@ def test_blocks_under_scan_compute_the_logits_and_greedy_text_of_transformers(tm
                ssmkit.pretrained.load(FIXTURES / "bamba")[1])
 
 
+def test_distinct_first_blocks_scan_as_a_head_before_the_repeats(tmp_path):
+  """Kimi Linear's first layer has a dense MLP where the others have experts, so its blocks
+  (mixer, MLP per layer) have no period from the first: its fixture deepened to 7 layers (the
+  new layers' tensors those of the layer two before, each scaled apart) scans its first two
+  blocks as a head, then 3 repeats of the 4 after them, to the unrolled model's logits, and
+  saves back to the folder's tensors bit for bit (tests/test_hybrid.py steps a head's states,
+  tests/test_nnx.py converts one)."""
+  folder = tmp_path / "deep"
+  shutil.copytree(FIXTURES / "kimi_linear", folder)
+  config = json.loads((folder / "config.json").read_text())
+  tensors = load_file(folder / "model.safetensors")
+  for i in range(4, 7):
+    config["layer_types"].append(config["layer_types"][i - 2])
+    config["mlp_layer_types"].append("sparse")
+    for name, value in list(tensors.items()):
+      if name.startswith(f"model.layers.{i - 2}."):
+        tensors[name.replace(f".{i - 2}.", f".{i}.", 1)] = value * np.float32(1 + 0.1 * i)
+  config["num_hidden_layers"] = 7
+  (folder / "config.json").write_text(json.dumps(config))
+  save_file(tensors, folder / "model.safetensors")
+  ids = _expected("kimi_linear")["input_ids"][:, :12]
+  unrolled, weights, _ = ssmkit.pretrained.load(folder)
+  model, variables, _ = ssmkit.pretrained.load(folder, scan_blocks=True)
+  scans = {name for name in variables["params"] if name in ("head", "blocks", "tail")}
+  assert (model.head_blocks, len(model.layer), scans) == (2, 6, {"head", "blocks"})
+  assert _relative_error(compiled.run(model)(variables, ids),
+                         np.asarray(compiled.run(unrolled)(weights, ids))) < 1e-6
+  ssmkit.pretrained.save(model, variables, tmp_path / "saved", source=folder)
+  written = load_file(tmp_path / "saved" / "model.safetensors")
+  assert sorted(written) == sorted(tensors)
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_save_writes_back_what_load_reads_bit_for_bit(name, tmp_path):
   """As its source's architecture (Qwen3-Next's and Qwen3.5-MoE's models are the same ssmkit

@@ -131,7 +131,7 @@ def _setup(config: Any, model: Any = None) -> tuple[Any, dict[str, jax.Array]]:
   else:
     vocab, kinds = model.vocab_size, tuple(registry_name(make) for make in
                                            layer_pattern(model.layer))
-  tx = make_optimizer(config.optimizer, kinds, config.train.steps)
+  tx = make_optimizer(config.optimizer, kinds, config.train.steps, model.head_blocks)
   shape = (config.data.batch_size, config.data.seq_len)
   keys = jax.random.split(jax.random.key(0), 3)
   tokens = jax.random.randint(keys[0], shape, 0, vocab)

@@ -50,7 +50,7 @@ def block_options(model: Any, index: int) -> dict[str, Any]:
   its `norm_position` at that place of the layer pattern."""
   options = {name: getattr(model, name) for name in BLOCK_OPTIONS[model.block]}
   if model.block == "mixer":
-    options["norm_position"] = norm_positions(model)[index % len(layer_pattern(model.layer))]
+    options["norm_position"] = norm_positions(model)[pattern_place(model, index)]
   return options
 
 
@@ -91,14 +91,26 @@ def layer_pattern(layer: Any) -> tuple[Callable[..., Any], ...]:
                    f"cycled over the blocks), got {layer!r}.")
 
 
+def place_in_pattern(index: int, length: int, head: int) -> int:
+  """The place in a layer pattern of `length` whose first `head` places are the first blocks'
+  alone that block `index` takes: its own among them, then the places after them cycled."""
+  return index if index < head else head + (index - head) % (length - head)
+
+
+def pattern_place(model: Any, index: int) -> int:
+  """The place in the layer pattern of a `SequenceModel` (of either front end) that block
+  `index` takes (`place_in_pattern` of its `head_blocks`)."""
+  return place_in_pattern(index, len(layer_pattern(model.layer)), model.head_blocks)
+
+
 def block_layer(model: Any, index: int) -> Callable[..., Any]:
-  """The layer factory of block `index` of a `SequenceModel` of either front end: its pattern's,
-  cycled over the blocks. A layer whose starting parameters depend on its depth (RWKV7's
+  """The layer factory of block `index` of a `SequenceModel` of either front end: its place's in
+  the pattern (`pattern_place`). A layer whose starting parameters depend on its depth (RWKV7's
   `layer_index` of `num_layers`, as flash-linear-attention's model numbers its layers) is placed
   at block `index` of `num_blocks`, where its factory leaves those out.
   """
   pattern = layer_pattern(model.layer)
-  make = pattern[index % len(pattern)]
+  make = pattern[pattern_place(model, index)]
   cls = getattr(make, "func", make)
   fields = getattr(getattr(cls, "linen", cls), "__dataclass_fields__", {})
   given = getattr(make, "keywords", {})
@@ -155,44 +167,73 @@ def check_model(model: Any) -> None:
   common.check_float_dtype(model.dtype, "dtype")
   common.check_float_dtype(model.param_dtype, "param_dtype", optional=False)
   length = len(layer_pattern(model.layer))
+  if not (isinstance(model.head_blocks, int) and 0 <= model.head_blocks < length):
+    raise ValueError(f"`head_blocks` must be an int from 0 to the length of the layer pattern "
+                     f"less one ({length - 1}), got {model.head_blocks!r}.")
   if model.scan_blocks and model.num_blocks < length:
     raise ValueError(f"`scan_blocks` needs `num_blocks` >= the length of the layer pattern, got "
                      f"num_blocks={model.num_blocks} for a pattern of {length}.")
 
 
 def scanned_counts(model: Any) -> tuple[int, int]:
-  """`(repeats, rest)` of a model with `scan_blocks`: how many whole patterns the blocks hold,
-  and how many blocks of one more, partial, repeat follow them (the "tail")."""
-  return divmod(model.num_blocks, len(layer_pattern(model.layer)))
+  """`(repeats, rest)` of a model with `scan_blocks`: how many whole patterns (after the
+  `head_blocks`, of the places after them) the blocks hold, and how many blocks of one more,
+  partial, repeat follow them (the "tail")."""
+  return divmod(model.num_blocks - model.head_blocks,
+                len(layer_pattern(model.layer)) - model.head_blocks)
 
 
 def scanned_place(model: Any, index: int) -> tuple[str, str, int]:
   """Where block `index` of a model with `scan_blocks` keeps its variables: the scan's name
-  ("blocks", or "tail" for the partial last repeat), the block's name in it, and its position
-  on the stacked leading axis."""
+  ("head" for the `head_blocks`, "blocks" for the repeats, "tail" for the partial last
+  repeat), the block's name in it, and its position on the stacked leading axis."""
   if callable(model.layer):
     return "blocks", "block", index
-  size = len(layer_pattern(model.layer))
+  head = model.head_blocks
+  if index < head:
+    return "head", f"block_{index}", 0
+  size = len(layer_pattern(model.layer)) - head
   repeats, _ = scanned_counts(model)
-  if index < repeats * size:
-    return "blocks", f"block_{index % size}", index // size
-  return "tail", f"block_{index % size}", 0
+  repeat, place = divmod(index - head, size)
+  return ("blocks", f"block_{place}", repeat) if repeat < repeats else ("tail", f"block_{place}", 0)
 
 
 def with_scanned_blocks(model: Any) -> Any:
   """A linen `SequenceModel` with its blocks under `nn.scan` and its layer pattern, with the
-  blocks' norm positions, cut to the shortest period of its blocks: a model given one factory
-  per block (as `ssmkit.pretrained.load` builds them) compiles one period of them, not every
-  block."""
+  blocks' norm positions, cut to the fewest blocks to compile: a head of distinct first blocks
+  (`head_blocks`), then the shortest period of the blocks after them, and the tail that period
+  leaves (fewer head blocks where two cuts compile as many). A model given one factory per
+  block (as `ssmkit.pretrained.load` builds them) compiles those, not every block."""
   if callable(model.layer):
     return model.clone(scan_blocks=True)
   pattern, positions = layer_pattern(model.layer), norm_positions(model)
-  places = [(pattern[i % len(pattern)], positions[i % len(pattern)])
-            for i in range(model.num_blocks)]
-  size = next(p for p in range(1, len(places) + 1)
-              if all(place == places[i % p] for i, place in enumerate(places)))
-  norm_position = model.norm_position if isinstance(model.norm_position, str) else positions[:size]
-  return model.clone(layer=pattern[:size], norm_position=norm_position, scan_blocks=True)
+  places = [(pattern[i], positions[i]) for i in map(functools.partial(pattern_place, model),
+                                                    range(model.num_blocks))]
+  cuts = []  # (blocks compiled, head, period)
+  for head in range(len(places)):
+    rest = places[head:]
+    period = next(p for p in range(1, len(rest) + 1)
+                  if all(place == rest[i % p] for i, place in enumerate(rest)))
+    cuts.append((head + period + len(rest) % period, head, period))
+  _, head, period = min(cuts)
+  kept = [*range(head + period)]
+  norm_position = (model.norm_position if isinstance(model.norm_position, str)
+                   else tuple(places[i][1] for i in kept))
+  return model.clone(layer=tuple(places[i][0] for i in kept), norm_position=norm_position,
+                     head_blocks=head, scan_blocks=True)
+
+
+def with_unrolled_blocks(model: Any) -> Any:
+  """A linen `SequenceModel` with its blocks unrolled and one place of its layer pattern per
+  block (the inverse of `with_scanned_blocks`, as `ssmkit.pretrained` reads a model's layers)."""
+  if callable(model.layer):
+    return model.clone(scan_blocks=False)
+  pattern, positions = layer_pattern(model.layer), norm_positions(model)
+  places = [pattern_place(model, i) for i in range(model.num_blocks)]
+  norm_position = (model.norm_position if isinstance(model.norm_position, str)
+                   else tuple(positions[p] for p in places))
+  return model.clone(layer=tuple(pattern[p] for p in places), norm_position=norm_position,
+                     head_blocks=0, scan_blocks=False)
 
 
 def output_logits(model: Any, logits: Array) -> Array:
@@ -286,6 +327,11 @@ class SequenceModel(nn.Module):
       compile time does not grow with depth: one scan over the whole repeats of the layer
       pattern ("blocks", one stacked block per pattern position) and, when `num_blocks` is not
       a multiple of the pattern's length, one of length 1 over the blocks left ("tail").
+    head_blocks: how many first places of the `layer` pattern are the first blocks' alone:
+      block i < `head_blocks` takes place i, and the blocks after them cycle over the places
+      after them (Kimi Linear's first layer, with a dense MLP where the others have experts).
+      With `scan_blocks` they run first, as a scan of length 1 ("head"), and the repeats and
+      the tail are of the places after them.
     tie_embeddings: decode with the transposed token embedding (needs `vocab_size` equal to
       `num_outputs`); no separate decoder.
     decoder_bias: a bias on the decoder (untied heads); published language models have none.
@@ -325,6 +371,7 @@ class SequenceModel(nn.Module):
   dropout_rate: float = 0.0
   prenorm: bool = True
   scan_blocks: bool = False
+  head_blocks: int = 0
   tie_embeddings: bool = False
   decoder_bias: bool = True
   scale_embeddings: bool | float = False
@@ -379,13 +426,19 @@ class SequenceModel(nn.Module):
           (x, shared), state, mask, reset)
       return x, state
     repeats, rest = scanned_counts(self)
-    state = (None, None) if state is None else state
-    (x, shared), repeated = self._scanned(blocks, repeats, "blocks", **flags)(
+    head = self.head_blocks
+    state = (None,) * (3 if head else 2) if state is None else state
+    heads = ()
+    if head:
+      (x, shared), heads = self._scanned(blocks[:head], 1, "head", **flags)(
+          (x, shared), state[0], mask, reset)
+    period, state = blocks[head:], state[-2:]
+    (x, shared), repeated = self._scanned(period, repeats, "blocks", **flags)(
         (x, shared), state[0], mask, reset)
     tail = ()
     if rest:
-      (x, _), tail = self._scanned(blocks[:rest], 1, "tail", **flags)((x, shared), state[1], mask, reset)
-    return x, (repeated, tail)
+      (x, _), tail = self._scanned(period[:rest], 1, "tail", **flags)((x, shared), state[1], mask, reset)
+    return x, ((heads,) if head else ()) + (repeated, tail)
 
   @nn.compact
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *, single_step: bool,
@@ -482,7 +535,8 @@ class SequenceModel(nn.Module):
 
     A tuple of the blocks' states; with `scan_blocks`, one layer's state stacked over the blocks,
     or for a pattern `(repeats, tail)`: per pattern position, the states of its blocks in the
-    whole repeats stacked, and those of the tail (stacked on an axis of size 1).
+    whole repeats stacked, and those of the tail (stacked on an axis of size 1); with
+    `head_blocks`, `(head, repeats, tail)`, the head's states stacked on an axis of size 1.
     """
     check_model(self)
     batch = tuple(input_shape) if self.vocab_size is not None else tuple(input_shape)[:-1]
@@ -513,11 +567,13 @@ class SequenceModel(nn.Module):
 def pattern_state(model: Any, states: tuple[Any, ...]) -> Any:
   """A model's state from one block state per pattern position (see `initialize_state`)."""
   if not model.scan_blocks:
-    return tuple(states[i % len(states)] for i in range(model.num_blocks))
+    return tuple(states[pattern_place(model, i)] for i in range(model.num_blocks))
   if callable(model.layer):
     return stacked_state(states, model.num_blocks)[0]
   repeats, rest = scanned_counts(model)
-  return stacked_state(states, repeats), stacked_state(states[:rest], 1)
+  head, period = model.head_blocks, states[model.head_blocks:]
+  scanned = stacked_state(period, repeats), stacked_state(period[:rest], 1)
+  return (stacked_state(states[:head], 1), *scanned) if head else scanned
 
 
 def _check_tokens(model: Any, x: Array, batch_rank: int, what: str) -> Array:

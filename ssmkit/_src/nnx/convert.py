@@ -4,8 +4,8 @@ A linen layer's parameter tree and its NNX module's state have the same names. A
 layers the paths differ only in three ways: linen's `Norm` holds its norm as `LayerNorm_0`,
 `RMSNorm_0`, `RMSNormPlusOne_0` or `BatchNorm_0`; linen's unrolled blocks are `block_<i>`
 where NNX has `blocks/<i>`; linen's scanned blocks are `blocks/block` where NNX has `blocks`,
-or for a layer pattern `blocks/block_<j>` and `tail/block_<j>` where NNX has `blocks/<j>` and
-`tail/<j>`.
+or for a layer pattern `blocks/block_<j>`, `tail/block_<j>` and `head/block_<j>` where NNX
+has `blocks/<j>`, `tail/<j>` and `head/<j>`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ Module = Layer | SSMBlock | MixerBlock | SequenceModel
 # The options of a `SequenceModel` beside its layers, by the same names in both front ends.
 _MODEL_OPTIONS = ("num_outputs", "features", "num_blocks", "vocab_size", "pooling", "block", "norm",
                   "norm_eps", "activation", "mlp", "mlp_expansion", "mlp_bias", "experts",
-                  "dropout_rate", "prenorm", "scan_blocks", "tie_embeddings", "decoder_bias",
-                  "scale_embeddings", "logit_cap", "logits_scaling", "residual_scale", "mlp_scales",
-                  "norm_position", "dtype",
-                  "param_dtype")
+                  "dropout_rate", "prenorm", "scan_blocks", "head_blocks", "tie_embeddings",
+                  "decoder_bias", "scale_embeddings", "logit_cap", "logits_scaling",
+                  "residual_scale", "mlp_scales", "norm_position", "dtype", "param_dtype")
 
 # The linen collection of each kind of NNX variable that a conversion moves.
 _COLLECTIONS: dict[type[nnx.Variable], str] = {nnx.Param: "params", nnx.BatchStat: "batch_stats"}
@@ -69,7 +68,7 @@ def _linen_path(model: Module, path: tuple[Any, ...]) -> tuple[Any, ...]:
   for key in path[:-1]:
     owner = owner[key] if isinstance(key, int) else getattr(owner, key)
   head = path[:-1]
-  if isinstance(model, SequenceModel) and path[0] in ("blocks", "tail"):
+  if isinstance(model, SequenceModel) and path[0] in ("blocks", "tail", "head"):
     if not model.scan_blocks:
       head = (f"block_{path[1]}", *path[2:-1])
     elif callable(model.layer):
@@ -135,7 +134,7 @@ def _pattern_layers(model: SequenceModel) -> list[Layer]:
   if model.scan_blocks and callable(model.layer):
     blocks = [model.blocks]
   else:
-    blocks = list(model.blocks)[:len(linen_model.layer_pattern(model.layer))]
+    blocks = [*(model.head or ()), *model.blocks][:len(linen_model.layer_pattern(model.layer))]
   return [getattr(block, block._layer_name) for block in blocks]
 
 

@@ -65,6 +65,9 @@ class SequenceModel(nnx.Module):
       pattern an `nnx.List` of one such block per pattern position over the whole repeats.
     tail: with `scan_blocks` and a pattern whose length does not divide `num_blocks`, an
       `nnx.List` of the blocks left, each stacked on an axis of size 1; else None.
+    head: with `scan_blocks` and `head_blocks`, an `nnx.List` of the head's blocks, each
+      stacked on an axis of size 1 (`blocks` and `tail` then of the places after them); else
+      None.
     final_norm: the norm after the blocks (with `prenorm`), else None.
     decoder: `nnx.Linear` to `num_outputs`, or None with `tie_embeddings`.
   """
@@ -76,7 +79,7 @@ class SequenceModel(nnx.Module):
                norm_eps: float | None = None, activation: str = "glu", mlp: str = "none",
                mlp_expansion: float = 4.0, mlp_bias: bool = False, experts: Experts | None = None,
                dropout_rate: float = 0.0, prenorm: bool = True, scan_blocks: bool = False,
-               tie_embeddings: bool = False, decoder_bias: bool = True,
+               head_blocks: int = 0, tie_embeddings: bool = False, decoder_bias: bool = True,
                scale_embeddings: bool | float = False, logit_cap: float | None = None,
                logits_scaling: float = 1.0, residual_scale: float = 1.0,
                mlp_scales: tuple[float, float] = (1.0, 1.0),
@@ -105,6 +108,9 @@ class SequenceModel(nnx.Module):
       prenorm: normalise block inputs (True) or residual sums (False; block "ssm" only).
       scan_blocks: run the blocks with `nnx.scan` over parameters stacked on a leading axis,
         so compile time does not grow with depth (see `ssmkit.layers.SequenceModel`).
+      head_blocks: how many first places of the pattern are the first blocks' alone, the
+        blocks after them cycling over the places after them (see
+        `ssmkit.layers.SequenceModel`).
       tie_embeddings: decode with the transposed token embedding (`vocab_size` equal to
         `num_outputs`).
       decoder_bias: a bias on the decoder (untied heads).
@@ -142,6 +148,7 @@ class SequenceModel(nnx.Module):
     self.dropout_rate = dropout_rate
     self.prenorm = prenorm
     self.scan_blocks = scan_blocks
+    self.head_blocks = head_blocks
     self.tie_embeddings = tie_embeddings
     self.decoder_bias = decoder_bias
     self.scale_embeddings = scale_embeddings
@@ -161,7 +168,7 @@ class SequenceModel(nnx.Module):
     make_block = lambda i: functools.partial(cls, features, layer=block_layer(self, i),
                                              **block_options(self, i))
     blocks = [make_block(j) for j in range(len(layer_pattern(layer)))]  # the first repeat
-    tail = None
+    head = tail = None
     if not scan_blocks:
       self.blocks = nnx.List([make_block(i)(rngs=rngs) for i in range(num_blocks)])
     elif callable(layer):
@@ -169,9 +176,11 @@ class SequenceModel(nnx.Module):
     else:
       repeats, rest = scanned_counts(self)
       stack = lambda make, count: _stacked_blocks(lambda rngs: make(rngs=rngs), count, rngs)
-      self.blocks = nnx.List([stack(make, repeats) for make in blocks])
-      tail = nnx.List([stack(make, 1) for make in blocks[:rest]]) if rest else None
-    self.tail = tail
+      head = nnx.List([stack(make, 1) for make in blocks[:head_blocks]]) if head_blocks else None
+      period = blocks[head_blocks:]
+      self.blocks = nnx.List([stack(make, repeats) for make in period])
+      tail = nnx.List([stack(make, 1) for make in period[:rest]]) if rest else None
+    self.head, self.tail = head, tail
     self.final_norm = make_norm(norm, features, rngs, eps=norm_eps, **precision) if prenorm else None
     self.decoder = None if tie_embeddings else nnx.Linear(
         features, num_outputs, use_bias=decoder_bias, rngs=rngs, **precision)
@@ -205,12 +214,16 @@ class SequenceModel(nnx.Module):
     if callable(self.layer):
       (x, _), state = through(self.blocks, (x, shared), state)
       return x, state
-    state = (None, None) if state is None else state
+    state = (None,) * (2 if self.head is None else 3) if state is None else state
+    heads = ()
+    if self.head is not None:
+      (x, shared), heads = through(self.head, (x, shared), state[0])
+    state = state[-2:]
     (x, shared), repeated = through(self.blocks, (x, shared), state[0])
     tail = ()
     if self.tail is not None:
       (x, _), tail = through(self.tail, (x, shared), state[1])
-    return x, (repeated, tail)
+    return x, (() if self.head is None else (heads,)) + (repeated, tail)
 
   def _forward(self, x: Array, mask: Array | None, reset: Array | None, state: Any, *,
                single_step: bool, return_state: bool, mode: str | Mode,
@@ -267,7 +280,7 @@ class SequenceModel(nnx.Module):
     elif callable(self.layer):
       states = (self.blocks.initialize_state(shape),)
     else:
-      states = tuple(block.initialize_state(shape) for block in self.blocks)
+      states = tuple(block.initialize_state(shape) for block in (*(self.head or ()), *self.blocks))
     return pattern_state(self, states)
   def step(self, state: Any, x_t: Array, reset: Array | None = None) -> tuple[Any, Array]:
     """Advances one step at inference; needs pooling "none". Call it compiled:

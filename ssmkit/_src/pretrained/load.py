@@ -106,8 +106,9 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
       (Qwen3.5's three Gated DeltaNet blocks and one attention block, Jamba's eight, one for
       Mamba), each place's parameters stacked over the repeats: the model computes the same
       logits, and compiling it (its forward, `generate`, a fine-tuning step) takes one period
-      of blocks, not every layer. A pattern without a shorter period (Kimi Linear's dense first
-      layer) is scanned once. `save` writes such a model back block by block.
+      of blocks, not every layer. Distinct first blocks (Kimi Linear's first layer, whose MLP is
+      dense) run first as a head (`head_blocks`) where that compiles fewer blocks; a pattern
+      without a shorter period is scanned once. `save` writes such a model back block by block.
 
   Returns:
     `(model, variables, config)`: the linen model and `{"params": ...}`, or with `nnx` the NNX

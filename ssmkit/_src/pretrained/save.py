@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssmkit._src.layers.common import check_positive_int
-from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_place
+from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_place, with_unrolled_blocks
 from ssmkit._src.pretrained.files import CONFIG, INDEX, SINGLE, CheckpointError, read_config
 from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
 
@@ -92,7 +92,8 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
                           f"as a {chosen.ARCHITECTURE}.")
   architecture = chosen
   params = jax.tree.map(lambda v: np.asarray(v, np.float32), variables["params"])
-  fields, tensors = architecture.checkpoint(model, _blocks(model, params), params)
+  fields, tensors = architecture.checkpoint(with_unrolled_blocks(model), _blocks(model, params),
+                                            params)
   # Special tokens unknown without a source, rather than the architecture's defaults, which
   # need not lie in this model's vocabulary.
   config = {"architectures": [architecture.ARCHITECTURE], **fields,

@@ -23,7 +23,7 @@ from flax.training import train_state
 
 from ssmkit import layers
 from ssmkit._src.layers.experts import MixtureOfExperts
-from ssmkit._src.layers.model import check_model
+from ssmkit._src.layers.model import check_model, place_in_pattern
 from ssmkit._src.layers.registry import ACTIVATIONS, BLOCKS, LAYERS, MLPS, NORMS, POOLINGS
 from ssmkit._src.modes import Mode
 from ssmkit._src.train.core import schema
@@ -317,22 +317,32 @@ def float_dtype(name: str, key: str) -> type:
   return getattr(jnp, dtype.name)
 
 
-def _pattern_position(names: list[Any], length: int) -> int:
-  """The position in a layer pattern of `length` of the block a parameter path `names` lies in.
+def _pattern_position(names: list[Any], length: int, head: int, scanned: bool) -> int:
+  """The place in a layer pattern of `length`, its first `head` places the head's
+  (`SequenceModel.head_blocks`), of the block a parameter path `names` lies in.
 
-  Block i of an unrolled model (linen `block_<i>`, NNX `blocks/<i>`) holds layer i mod length;
-  a scanned model's position j is `blocks/block_<j>` or `tail/block_<j>` (NNX `blocks/<j>`,
-  `tail/<j>`), and a scanned single layer is position 0.
+  Block i of an unrolled model (linen `block_<i>`, NNX `blocks/<i>`) takes the place
+  `pattern_place` gives it (i mod length without a head). In a scanned model, `head/block_<j>`
+  (NNX `head/<j>`) is place j and `blocks/block_<j>` or `tail/block_<j>` (NNX `blocks/<j>`,
+  `tail/<j>`) place head + j; a scanned single layer is place 0. Without a head both readings
+  of NNX's `blocks/<j>` agree; with one, only a `scanned` model has a "head".
   """
   for before, name in zip([None, *names], names, strict=False):
-    if isinstance(name, int) and before in ("blocks", "tail"):
-      return name % length
-    if isinstance(name, str) and name.startswith("block_") and name[6:].isdigit():
-      return int(name[6:]) % length
+    if isinstance(name, int) and before in ("head", "blocks", "tail"):
+      index = name
+    elif isinstance(name, str) and name.startswith("block_") and name[6:].isdigit():
+      index = int(name[6:])
+    else:
+      continue
+    if names[0] == "head":
+      return index
+    if scanned:
+      return head + index
+    return place_in_pattern(index, length, head)
   return 0
 
 
-def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
+def parameter_labels(params: Any, layer: str | Sequence[str], head_blocks: int = 0) -> Any:
   """"ssm", "no_decay" or "decay" for every leaf of `params`, by its name and scope.
 
   Inside the layer of a block, the layer's `parameter_groups` decide: its recurrence
@@ -344,18 +354,21 @@ def parameter_labels(params: Any, layer: str | Sequence[str]) -> Any:
     params: the "params" collection of a `SequenceModel` built with the layers `layer` names,
       or the `nnx.Param` state of an `ssmkit.nnx.SequenceModel` of them.
     layer: a key of `LAYERS`, or the keys of a layer pattern in order.
+    head_blocks: the model's `head_blocks`: how many first places of the pattern are its first
+      blocks' alone.
 
   Returns:
     A tree like `params` with one label string per leaf.
   """
   names = (layer,) if isinstance(layer, str) else tuple(layer)
   groups = [LAYERS[name].layer.parameter_groups for name in names]
+  scanned = "head" in params
 
   def label(path: tuple[Any, ...], _: Any) -> str:
     # Dict keys name the scopes; in an NNX state each leaf is further a Variable's attribute.
     keys = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
     in_layer = any(scope in keys[:-1] for scope in _LAYER_SCOPES)
-    own = groups[_pattern_position(keys, len(groups))]
+    own = groups[_pattern_position(keys, len(groups), head_blocks, scanned)]
     if in_layer and keys[-1] in own.recurrence:
       return "ssm"
     if ((in_layer and keys[-1] in own.no_decay) or keys[-1] in _NO_DECAY

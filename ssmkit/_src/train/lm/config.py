@@ -42,7 +42,8 @@ class LMModelConfig(ModelConfig):
   # its architecture and weights replace this section's layer, width, depth, block, norm, MLP
   # and head options and the initialisation, and its tokenizer.json tokenises the text
   # (`data.tokenizer` stays null); dropout_rate, dtype, param_dtype, mode and scan_blocks
-  # (the checkpoint's blocks under `nn.scan`, by the shortest period of its layers) still apply.
+  # (the checkpoint's blocks under `nn.scan`, by the shortest period of its layers after any
+  # distinct first ones) still apply.
   pretrained: str | None = None
 
 

@@ -35,7 +35,7 @@ def learning_rate_schedule(config: OptimizerConfig, peak: float, total_steps: in
 
 
 def make_optimizer(config: OptimizerConfig, layer: str | tuple[str, ...],
-                   total_steps: int) -> optax.GradientTransformation:
+                   total_steps: int, head_blocks: int = 0) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW on three parameter groups.
 
   "decay" (weight matrices): `learning_rate` with `weight_decay`; "no_decay" (biases, norm
@@ -48,6 +48,7 @@ def make_optimizer(config: OptimizerConfig, layer: str | tuple[str, ...],
     layer: the registry names of the config's layers (`layer_names`), whose declared parameter
       groups decide the labels.
     total_steps: the length of the run, for the schedule.
+    head_blocks: the model's `head_blocks` (see `parameter_labels`).
 
   Returns:
     The optax transformation.
@@ -63,7 +64,7 @@ def make_optimizer(config: OptimizerConfig, layer: str | tuple[str, ...],
           "no_decay": optax.adam(schedule(config.learning_rate)),
           "ssm": optax.adam(schedule(config.ssm_learning_rate)),
       },
-      functools.partial(parameter_labels, layer=layer),
+      functools.partial(parameter_labels, layer=layer, head_blocks=head_blocks),
   )
   if config.grad_clip is None:
     return groups

@@ -170,7 +170,7 @@ def setup(config: Any, task: Task = SUPERVISED, *, abstract: bool = False) -> Se
   model, names, params = task.model(config, dataset, abstract)
   order = TrainOrder(dataset.num_train, config.data.batch_size, config.train.seed)
   length = total_steps(config.train, order.steps_per_epoch)
-  tx = make_optimizer(config.optimizer, names, length)
+  tx = make_optimizer(config.optimizer, names, length, model.head_blocks)
   params_key, dropout_key = jax.random.split(jax.random.key(config.train.seed))
   example = {key: array[:1] for key, array in split_arrays(dataset, "train").items()}
   _check_split_over_time(config, mesh, example["x"].shape[1])
