@@ -129,7 +129,7 @@ def test_norm_eps_reaches_every_norm_of_both_front_ends():
   assert snx.to_linen(twin)[0].norm_eps == 0.5
   with pytest.raises(ValueError, match=r"`norm_eps` must be > 0 or None, got 0.0"):
     compiled.init(_model(num_blocks=2, norm_eps=0.0), x.shape, 0, "int32")
-  for value in (3, -1, 1.0):  # at least one place of the pattern of 3 must cycle
+  for value in (3, -1, 1.0, True):  # at least one place of the pattern of 3 must cycle
     with pytest.raises(ValueError, match=rf"`head_blocks` must be an int .* \(2\), got {value}"):
       compiled.init(_model(num_blocks=2, head_blocks=value), x.shape, 0, "int32")
     with pytest.raises(ValueError, match=r"`head_blocks` must be an int"):

@@ -167,7 +167,8 @@ def check_model(model: Any) -> None:
   common.check_float_dtype(model.dtype, "dtype")
   common.check_float_dtype(model.param_dtype, "param_dtype", optional=False)
   length = len(layer_pattern(model.layer))
-  if not (isinstance(model.head_blocks, int) and 0 <= model.head_blocks < length):
+  head = model.head_blocks
+  if isinstance(head, bool) or not (isinstance(head, int) and 0 <= head < length):
     raise ValueError(f"`head_blocks` must be an int from 0 to the length of the layer pattern "
                      f"less one ({length - 1}), got {model.head_blocks!r}.")
   if model.scan_blocks and model.num_blocks < length:
