@@ -207,9 +207,8 @@ def with_scanned_blocks(model: Any) -> Any:
   block (as `ssmkit.pretrained.load` builds them) compiles those, not every block."""
   if callable(model.layer):
     return model.clone(scan_blocks=True)
-  pattern, positions = layer_pattern(model.layer), norm_positions(model)
-  places = [(pattern[i], positions[i]) for i in map(functools.partial(pattern_place, model),
-                                                    range(model.num_blocks))]
+  unrolled = with_unrolled_blocks(model)
+  places = list(zip(unrolled.layer, norm_positions(unrolled), strict=True))
   cuts = []  # (blocks compiled, head, period)
   for head in range(len(places)):
     rest = places[head:]
@@ -217,11 +216,10 @@ def with_scanned_blocks(model: Any) -> Any:
                   if all(place == rest[i % p] for i, place in enumerate(rest)))
     cuts.append((head + period + len(rest) % period, head, period))
   _, head, period = min(cuts)
-  kept = [*range(head + period)]
-  norm_position = (model.norm_position if isinstance(model.norm_position, str)
-                   else tuple(places[i][1] for i in kept))
-  return model.clone(layer=tuple(places[i][0] for i in kept), norm_position=norm_position,
-                     head_blocks=head, scan_blocks=True)
+  layer, positions = zip(*places[:head + period], strict=True)
+  norm_position = model.norm_position if isinstance(model.norm_position, str) else positions
+  return model.clone(layer=layer, norm_position=norm_position, head_blocks=head,
+                     scan_blocks=True)
 
 
 def with_unrolled_blocks(model: Any) -> Any:
