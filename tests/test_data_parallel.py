@@ -225,15 +225,15 @@ def test_a_bad_split_over_time_is_named_before_training(overrides, match, monkey
 
 @pytest.mark.usefixtures("not_cached")
 def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_path):
-  """`lm_hybrid` (a Gated DeltaNet block and a global-attention block, under `nn.scan`, each
-  with a mixture of 4 experts) on fsdp=2 x expert=2 x seq=2 devices: each sequence of 16 bytes
-  split into two slices of 8, with documents crossing them, each device holding half the
-  parameters and optimizer state and a quarter of the experts'. The loss at every step, the
-  test loss and the final parameters are one device's."""
+  """`lm_hybrid` (a global-attention block as a head, then two Gated DeltaNet blocks, under
+  `nn.scan`, each with a mixture of 4 experts) on fsdp=2 x expert=2 x seq=2 devices: each
+  sequence of 16 bytes split into two slices of 8, with documents crossing them, each device
+  holding half the parameters and optimizer state and a quarter of the experts'. The loss at
+  every step, the test loss and the final parameters are one device's."""
   overrides = [f"data.path={_corpus(tmp_path / 'corpus')}", "data.seq_len=16", "data.batch_size=4",
                "data.validation_fraction=0.3", "model.features=16",
-               "model.layer=[gated_deltanet,attention]", "model.num_blocks=2",
-               "model.scan_blocks=true", "model.mlp=experts",
+               "model.layer=[attention,gated_deltanet]", "model.num_blocks=3",
+               "model.head_blocks=1", "model.scan_blocks=true", "model.mlp=experts",
                "model.experts={num_experts: 4, top_k: 2, width: 8, shared_width: 4}",
                "optimizer.warmup_steps=0", "train.steps=4", "train.log_every=1",
                "train.eval_every=0", "samples.documents=0"]
@@ -265,10 +265,12 @@ def test_a_language_model_over_fsdp_experts_and_time_trains_as_one_device(tmp_pa
   # The state's shapes and shardings (`abstract`): the bytes each device holds of a leaf.
   size = lambda shape, leaf: math.prod(shape) * leaf.dtype.itemsize
   held = lambda leaf: size(leaf.sharding.shard_shape(leaf.shape), leaf)
-  experts = run.state.params["blocks"]["block_0"]["mlp_experts"]
-  for name in ("gate", "up", "down"):  # (blocks, experts, ...): experts over "expert"
-    assert experts[name].sharding.spec[1] == "expert"
-    assert held(experts[name]) == size(experts[name].shape, experts[name]) // 4
+  assert set(run.state.params) >= {"head", "blocks"} and "tail" not in run.state.params
+  for scope in ("head", "blocks"):
+    experts = run.state.params[scope]["block_0"]["mlp_experts"]
+    for name in ("gate", "up", "down"):  # (blocks, experts, ...): experts over "expert"
+      assert experts[name].sharding.spec[1] == "expert"
+      assert held(experts[name]) == size(experts[name].shape, experts[name]) // 4
   leaves = jax.tree.leaves((run.state.params, run.state.opt_state))
   total = sum(size(leaf.shape, leaf) for leaf in leaves)
   assert 0.25 * total < sum(map(held, leaves)) < 0.55 * total

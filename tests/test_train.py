@@ -299,24 +299,39 @@ PATTERN = ["model.layer=[lru, attention, lru]",
            "model.features=8", "model.block=mixer", "model.mlp=gelu"]
 
 
-@pytest.mark.parametrize("num_blocks, scan_blocks", [(4, False), (4, True)])
-def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(num_blocks, scan_blocks):
-  """Block i holds layer i mod 3 of the pattern, and its parameters its own layer's groups."""
+# (num_blocks, scan_blocks, head_blocks) and the blocks' parameter scopes, each with its place
+# in PATTERN: with a head of one block, block 0 takes place 0 and the later ones cycle over 1, 2.
+PATTERN_SCOPES = [
+    ((4, False, 0), [(("block_0",), 0), (("block_1",), 1), (("block_2",), 2), (("block_3",), 0)]),
+    ((4, True, 0), [(("blocks", "block_0"), 0), (("blocks", "block_1"), 1),  # 1 repeat, a tail
+                    (("blocks", "block_2"), 2), (("tail", "block_0"), 0)]),
+    ((5, False, 1), [(("block_0",), 0), (("block_1",), 1), (("block_2",), 2), (("block_3",), 1),
+                     (("block_4",), 2)]),
+    ((5, True, 1), [(("head", "block_0"), 0), (("blocks", "block_0"), 1),  # 2 repeats of 2
+                    (("blocks", "block_1"), 2)]),
+]
+
+
+@pytest.mark.parametrize("options, scopes", PATTERN_SCOPES)
+def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(options, scopes):
+  """Block i holds layer i mod 3 of the pattern (after a head, the places after it in turn),
+  and its parameters its own layer's groups."""
+  num_blocks, scan_blocks, head_blocks = options
   config = train.load_config(None, ["data.name=mnist1d", *PATTERN, f"model.num_blocks={num_blocks}",
-                                    f"model.scan_blocks={scan_blocks}"])
+                                    f"model.scan_blocks={scan_blocks}",
+                                    f"model.head_blocks={head_blocks}"])
   model = train.core.build_model(config.model, num_outputs=3, vocab_size=None)
   assert [(make.func, make.keywords) for make in model.layer] == [
       (layers.LRU, {"d_state": 4}), (layers.Attention, {"num_heads": 2}), (layers.LRU, {"d_state": 4})]
-  assert (model.block, model.mlp, model.num_blocks) == ("mixer", "gelu", num_blocks)
+  assert (model.block, model.mlp, model.num_blocks, model.head_blocks) == (
+      "mixer", "gelu", num_blocks, head_blocks)
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 5, 2)))["params"]
-  labels = parameter_labels(params, train.core.layer_names(config.model))
-  if scan_blocks:  # 1 repeat of the 3 and a tail of one LRU block
-    mixers = [*(labels["blocks"][f"block_{j}"]["mixer"] for j in range(3)),
-              labels["tail"]["block_0"]["mixer"]]
-  else:
-    mixers = [labels[f"block_{i}"]["mixer"] for i in range(num_blocks)]
-  for i, mixer in enumerate(mixers):
-    if i % 3 == 1:
+  labels = parameter_labels(params, train.core.layer_names(config.model), head_blocks)
+  assert {scope[0] for scope, _ in scopes} == {key for key in labels if key.startswith("block_")
+                                                or key in ("head", "blocks", "tail")}
+  for scope, place in scopes:
+    mixer = functools.reduce(dict.__getitem__, scope, labels)["mixer"]
+    if place == 1:
       assert set(mixer.values()) == {"decay"} and "q_proj" in mixer
     else:
       assert mixer["nu_log"] == mixer["B_re"] == "ssm" and mixer["C_re"] == "decay"
@@ -343,6 +358,7 @@ def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(num
         (["model.mlp_expansion=0"], r"`model\.mlp_expansion` must be > 0"),
         (["model.scan_blocks=true", "model.num_blocks=2"],
          r"`model\.scan_blocks` needs `num_blocks` >="),
+        (["model.head_blocks=3"], r"`model\.head_blocks` must be an int from 0 to .* \(2\), got 3"),
     ],
 )
 def test_bad_patterns_and_block_options_are_named_before_anything_is_written(overrides, message,

@@ -73,6 +73,11 @@ class ModelConfig:
   prenorm: bool = True
   # Apply the blocks with nn.scan over stacked parameters (compile time independent of depth).
   scan_blocks: bool = False
+  # With a list of layers, how many of its first places are the first blocks' alone: block
+  # i < head_blocks takes place i and the later blocks cycle over the places after them, e.g.
+  # [attention, gated_deltanet] with head_blocks 1: one attention block, then Gated DeltaNet
+  # blocks. With scan_blocks, those first blocks run as a scanned head of their own.
+  head_blocks: int = 0
   # Decode tokens with the transposed input embedding (per-step token targets of the input vocabulary).
   tie_embeddings: bool = False
   # A bias on the decoder (an untied head); published language models have none.
@@ -109,7 +114,7 @@ POSITIVE = ("model.mlp_expansion", "model.logit_cap", "model.norm_eps")
 # The options of `ssmkit.layers.SequenceModel` that the section gives by the same names.
 _MODEL_OPTIONS = ("features", "num_blocks", "pooling", "block", "norm", "norm_eps", "activation", "mlp",
                   "mlp_expansion", "mlp_bias", "dropout_rate", "prenorm", "scan_blocks",
-                  "tie_embeddings", "decoder_bias", "scale_embeddings", "logit_cap")
+                  "head_blocks", "tie_embeddings", "decoder_bias", "scale_embeddings", "logit_cap")
 # The parameters trained without weight decay wherever they are: biases, norm scales,
 # embeddings, and a mixture of experts' score bias (in a block's MLP or a feed-forward layer).
 _NO_DECAY = ("bias", "scale", "embedding", *MixtureOfExperts.parameter_groups.no_decay)
