@@ -170,8 +170,8 @@ def delta_rule(
       step by step below 16 (batch row, head) sequences and 2^15 (batch row, head, step)
       triples (derivatives chunked); on accelerators it runs the chunked form, whose memory
       the tree's matrices take 4-7x of.
-    chunk_size: steps per chunk; default 32 on CPU, on accelerators 64 (32 with one decay per
-      key channel); at most T.
+    chunk_size: steps per chunk; default 32 on CPU for states of fewer than 2^17 (K x V)
+      entries, else 64 (32 with one decay per key channel everywhere); at most T.
     return_final_state: also return S_T.
     axis_name: sequence parallelism as in `linear_attention`; a device sums its slice up
       as S -> M S + U with M the `(K, K)` product of its transitions.
@@ -227,7 +227,8 @@ def evaluate(x: Inputs, *, mode: Mode, chunk_size: int | None, axis_name: Hashab
   the other steps' queries when a chunk holds whole groups of r steps.
   """
   per_key = x.log_decay is not None and x.log_decay.ndim == 4
-  default = (common.SOLVED_CHUNK_SIZE if per_key or jax.default_backend() == "cpu"
+  small = x.k.shape[-1] * x.v.shape[-1] < common.SOLVED_STATES_BELOW
+  default = (common.SOLVED_CHUNK_SIZE if per_key or (jax.default_backend() == "cpu" and small)
              else common.DEFAULT_CHUNK_SIZE)
   return common.evaluate(x, _sequential, _chunk_maps, matrix=True, mode=mode,
                          chunk_size=chunk_size, axis_name=axis_name, precision=precision,
