@@ -17,7 +17,8 @@ from ssmkit._src.modes import LINEAR_VALUES_CHUNKED_ROWS, Impl, Mode, parse_impl
 Array = jax.Array
 
 # On CPU, outside the parallel form, chunks of 32 steps: with one decay per key (GLA) always,
-# with one decay per head or none where at least 8 (batch row, head) sequences run together.
+# with one decay per head or none where at least 8 (batch row, head) sequences run together
+# (and their states are small: below).
 # Gradients, 32 against 64 steps, side by side (CPU, K=V=64 unless said):
 # - one decay per head: B=2 T=4096 H=4 43.4 against 50.4 ms, B=8 T=1024 H=4 42.5 against 47.8,
 #   B=4 T=1024 H=16 114 against 126, B=16 T=256 H=4 25.2 against 28.3, K=128 V=64 68.3 against
@@ -33,11 +34,20 @@ Array = jax.Array
 # The parallel form lost at 32 (one decay per head: 119.8 against 101.4 ms).
 _CPU_CHUNK_SIZE = 32
 _CPU_CHUNK_ROWS = 8
+# One decay per head or none takes 32 steps only while a head's state holds fewer entries
+# (K x V) than this: a larger state, stored at every chunk's edge, outweighs the C x C work
+# that 32 steps save. Side by side, one decay per
+# head, 32 against 64 steps: K=128 V=256 gradient 261.5 against 230.6 ms (B=2 T=2048 H=4),
+# forward 230.7 against 212.4 (B=8 T=1024 H=4); K=256 V=512 gradient 879 against 728 (B=2
+# T=2048 H=4), forward 619 against 536 (B=4 T=1024 H=8). Below it the forward kept 32 (K=V=128:
+# 69.3 against 75.9 ms at B=8 T=1024 H=4), where the gradient took 5-23% longer at 32 steps.
+_CPU_CHUNK_STATES_BELOW = 1 << 15
 
 
 def _default_chunk_size(x: Inputs, mode: Mode, per_key: bool) -> int:
   """Steps per chunk for `x` in `mode` (with one decay `per_key`) where the caller gives none."""
-  pays = per_key or x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS
+  pays = per_key or (x.q.shape[0] * x.q.shape[2] >= _CPU_CHUNK_ROWS
+                     and x.k.shape[-1] * x.v.shape[-1] < _CPU_CHUNK_STATES_BELOW)
   if jax.default_backend() == "cpu" and mode is not Mode.PARALLEL and pays:
     return _CPU_CHUNK_SIZE
   return common.DEFAULT_CHUNK_SIZE
@@ -185,8 +195,8 @@ def linear_attention(
       parallel form.
     chunk_size: steps per chunk (and per rematerialised group of the sequential mode), at
       most T; default 64, or 32 on CPU outside the parallel mode with one decay per key, or
-      with one decay per head (or none) over at least 8 (batch row, head) sequences (faster
-      there).
+      with one decay per head (or none) over at least 8 (batch row, head) sequences whose
+      states hold fewer than 2^15 (K x V) entries each (faster there).
     return_final_state: also return S_T, to continue over the next piece of a sequence.
     axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis split over
       the mesh axis of this name (consecutive slices of equal length in mesh order),
