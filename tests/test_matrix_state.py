@@ -642,7 +642,7 @@ def test_linear_attention_on_cpu_takes_chunks_of_32_steps(kind, monkeypatch):
                          ids=lambda k: k[0])
 def test_delta_rules_on_cpu_take_chunks_of_32_steps_below_large_states(kind, monkeypatch):
   """On CPU the delta rules run chunks of 32 steps by default, and of 64 from states of 2^17
-  entries on (K=256 V=512), but with a decay per key (traced only)."""
+  entries on (K=256 V=512), except with a decay per key (traced only)."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
   for dim_k, dim_v, size in ((5, 3, 32), (256, 512, 32 if kind[2] == "key" else 64)):
     x = _abstract(_inputs(np.random.default_rng(15), kind, (2,), 70, heads=1, dim_k=dim_k,

@@ -312,7 +312,8 @@ PATTERN_SCOPES = [
 ]
 
 
-@pytest.mark.parametrize("options, scopes", PATTERN_SCOPES)
+@pytest.mark.parametrize("options, scopes", PATTERN_SCOPES,
+                         ids=["unrolled", "scanned", "unrolled-head", "scanned-head"])
 def test_a_layer_pattern_builds_each_layer_with_its_own_arguments_and_groups(options, scopes):
   """Block i holds layer i mod 3 of the pattern (after a head, the places after it in turn),
   and its parameters its own layer's groups."""
