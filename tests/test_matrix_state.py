@@ -620,7 +620,7 @@ def _gradient_trace(kind, x, **options):
 def test_linear_attention_on_cpu_takes_chunks_of_32_steps(kind, monkeypatch):
   """On CPU, outside the parallel form, linear attention runs chunks of 32 steps by default
   with a decay per key, and with one decay per head or none from 8 (batch row, head) sequences
-  on whose states hold fewer than 2^15 entries, else 64 (traced: the default's program is that
+  on whose states hold fewer than 2^14 entries, else 64 (traced: the default's program is that
   of the chunk size); its gradients and JVPs there match autodiff of the float64 loop over 70
   steps."""
   monkeypatch.setattr(modes.jax, "default_backend", lambda: "cpu")
@@ -628,7 +628,7 @@ def test_linear_attention_on_cpu_takes_chunks_of_32_steps(kind, monkeypatch):
   for batch, heads, mode, size, dims in (
       ((4,), 2, "chunked", 32, (5, 3)), ((2, 2), 2, "sequential", 32, (5, 3)),
       ((3,), 2, "chunked", 32 if per_key else 64, (5, 3)), ((2,), 4, "parallel", 64, (5, 3)),
-      ((4,), 2, "chunked", 32 if per_key else 64, (128, 256))):
+      ((4,), 2, "chunked", 32 if per_key else 64, (128, 128))):
     x = _abstract(_inputs(np.random.default_rng(15), kind, batch, 70, heads=heads, dim_k=dims[0],
                           dim_v=dims[1]))
     assert (_gradient_trace(kind, x, mode=mode, chunk_size=None)

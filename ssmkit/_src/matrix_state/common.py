@@ -32,12 +32,13 @@ DEFAULT_CHUNK_SIZE = 64
 SOLVED_CHUNK_SIZE = 32
 # The delta rules without a decay per key take SOLVED_CHUNK_SIZE on CPU only while a head's state
 # holds fewer entries (K x V) than this. A larger state (K=256 V=512: a width of 2048 in 8 heads),
-# stored at every chunk's edge, outweighs the C x C work that 32 steps save, and they take 64: side
-# by side, the gated delta rule's gradient took 1071 against 1171 ms at 64 and 32 steps in 158
-# against 170 MiB (B=1 T=2048 H=8), 1064 against 1136 ms in 201 against 243 MiB (B=2 T=1024 H=8),
-# 271 against 337 ms in 51 against 82 MiB (B=1 T=2048 H=2), 534 against 576 ms in 113 against 101
-# MiB (B=1 T=2048 H=4), the delta product's 439 against 467 ms (B=1 T=1024 H=4), the forwards alike
-# (1153 against 1166 ms, B=2 T=4096 H=8); K=V=128 kept 32 (124 against 133 ms, 20 against 29 MiB).
+# stored at every chunk's edge, outweighs the C x C work that 32 steps save, and they take 64:
+# side by side (`scripts/bench_chunk_sizes.py --function delta_rule`), the gated delta rule's
+# gradient took 1071 against 1171 ms at 64 and 32 steps in 158 against 170 MiB (B=1 T=2048 H=8),
+# 1064 against 1136 ms in 201 against 243 MiB (B=2 T=1024 H=8), 271 against 337 ms in 51 against
+# 82 MiB (B=1 T=2048 H=2), 534 against 576 ms in 113 against 101 MiB (B=1 T=2048 H=4), the delta
+# product's 439 against 467 ms (B=1 T=1024 H=4), the forwards alike (1153 against 1166 ms, B=2
+# T=4096 H=8); K=V=128 kept 32 (124 against 133 ms, 20 against 29 MiB).
 SOLVED_STATES_BELOW = 1 << 17
 
 # sequential(inputs, steps per rematerialised group or None, precision) -> (outputs, final)

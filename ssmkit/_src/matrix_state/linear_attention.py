@@ -23,9 +23,9 @@ Array = jax.Array
 # - one decay per head: B=2 T=4096 H=4 43.4 against 50.4 ms, B=8 T=1024 H=4 42.5 against 47.8,
 #   B=4 T=1024 H=16 114 against 126, B=16 T=256 H=4 25.2 against 28.3, K=128 V=64 68.3 against
 #   75.7, exclusive reads 44.0 against 50.4, the step loop (its rematerialised groups) at B=2
-#   T=1024 H=4 81.9 against 90.5; K=V=32 and K=V=128 within 3%, the forwards within 4% (8%
-#   faster at B=16 T=1024 H=4). With fewer sequences the 32-step chunks' operations were too
-#   small to pay (B=1 T=16384 H=2: 72.4 against 56.0 ms; B=2 T=4096 H=2: 24.2 against 22.7).
+#   T=1024 H=4 81.9 against 90.5; K=V=32 within 3% (larger states: below), the forwards within
+#   4% (8% faster at B=16 T=1024 H=4). With fewer sequences the 32-step chunks' operations were
+#   too small to pay (B=1 T=16384 H=2: 72.4 against 56.0 ms; B=2 T=4096 H=2: 24.2 against 22.7).
 # - one decay per key: the chunk's scores stay one product for decays twice as strong (60 nats a
 #   chunk, `chunks.per_key_scores`). Log-decays in [-1.5, -0.5]: B=2 T=4096 H=4 65.7 against
 #   120.1 ms, B=8 T=1024 H=4 68.5 against 155.4, B=1 T=16384 H=2 93.1 against 227.2, the forward
@@ -36,12 +36,12 @@ _CPU_CHUNK_SIZE = 32
 _CPU_CHUNK_ROWS = 8
 # One decay per head or none takes 32 steps only while a head's state holds fewer entries
 # (K x V) than this: a larger state, stored at every chunk's edge, outweighs the C x C work
-# that 32 steps save. Side by side, one decay per
-# head, 32 against 64 steps: K=128 V=256 gradient 261.5 against 230.6 ms (B=2 T=2048 H=4),
-# forward 230.7 against 212.4 (B=8 T=1024 H=4); K=256 V=512 gradient 879 against 728 (B=2
-# T=2048 H=4), forward 619 against 536 (B=4 T=1024 H=8). Below it the forward kept 32 (K=V=128:
-# 69.3 against 75.9 ms at B=8 T=1024 H=4), where the gradient took 5-23% longer at 32 steps.
-_CPU_CHUNK_STATES_BELOW = 1 << 15
+# that 32 steps save. `scripts/bench_chunk_sizes.py --function linear_attention`, 32 against 64
+# steps, forward, then gradient: K=V=128 at B=8 T=1024 H=4 73.6 against 79.4 ms, 345 against
+# 266 ms (the forward 7% faster at 32 steps, the gradient 30% slower); K=128 V=256 at B=2
+# T=2048 H=4 77.3 against 70.5, 256 against 229; K=256 V=512 there 222 against 212, 1013
+# against 777; below it, K=V=64 at B=2 T=4096 H=4 29.5 against 34.7, 113 against 116.
+_CPU_CHUNK_STATES_BELOW = 1 << 14
 
 
 def _default_chunk_size(x: Inputs, mode: Mode, per_key: bool) -> int:
@@ -196,7 +196,7 @@ def linear_attention(
     chunk_size: steps per chunk (and per rematerialised group of the sequential mode), at
       most T; default 64, or 32 on CPU outside the parallel mode with one decay per key, or
       with one decay per head (or none) over at least 8 (batch row, head) sequences whose
-      states hold fewer than 2^15 (K x V) entries each (faster there).
+      states hold fewer than 2^14 (K x V) entries each (faster there).
     return_final_state: also return S_T, to continue over the next piece of a sequence.
     axis_name: sequence parallelism. Inside `jax.shard_map` with the time axis split over
       the mesh axis of this name (consecutive slices of equal length in mesh order),
