@@ -15,7 +15,6 @@ From the repository root, e.g. the heads of a width of 2048 in 8 (K=256, V=512):
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 import jax
@@ -54,30 +53,14 @@ def _function(function: str, chunk_size: int):
 def _bench(function: str, shape: tuple[int, ...], sizes: list[int], repeats: int,
            key: jax.Array) -> list[tuple[str, ...]]:
   args = _inputs(function, shape, key)
-  compiled, outputs = {}, {}
-  for size in sizes:
-    method = _function(function, size)
-    forward, _ = _timing.compile_timed(method, *args)
-    loss = lambda *a, method=method: jnp.sum(jnp.sin(method(*a)))
-    gradient, _ = _timing.compile_timed(jax.grad(loss, argnums=tuple(range(len(args)))), *args)
-    compiled[size] = (forward, gradient)
-    outputs[size] = np.asarray(forward(*args))
-  want = outputs[sizes[0]]
-  for size, out in outputs.items():
-    if not np.abs(out - want).max() <= _RTOL * np.abs(want).max():
-      raise RuntimeError(f"chunks of {size} disagree with chunks of {sizes[0]} at {shape}.")
-  forward_s = _timing.interleaved_medians(
-      {size: functools.partial(fns[0], *args) for size, fns in compiled.items()}, repeats=repeats)
-  gradient_s = _timing.interleaved_medians(
-      {size: functools.partial(fns[1], *args) for size, fns in compiled.items()}, repeats=repeats)
+  results = _timing.forward_and_gradient(
+      {size: _function(function, size) for size in sizes}, args,
+      lambda out: jnp.sum(jnp.sin(out)), reference=sizes[0], rtol=_RTOL, repeats=repeats)
   label = "B={} T={} H={} K={} V={}".format(*shape)
-  rows = []
-  for size, (_, gradient) in compiled.items():
-    memory = _timing.temp_bytes(gradient)
-    rows.append((function, label, str(size), _timing.significant(forward_s[size] * 1e3),
-                 _timing.significant(gradient_s[size] * 1e3),
-                 "-" if memory is None else _timing.significant(memory / 2**20)))
-  return rows
+  return [(function, label, str(size), _timing.significant(forward_s * 1e3),
+           _timing.significant(gradient_s * 1e3),
+           "-" if memory is None else _timing.significant(memory / 2**20))
+          for size, (forward_s, gradient_s, memory) in results.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--repeats", type=int, default=9, help="timed samples per cell")
   parser.add_argument("--markdown", action="store_true", help="print a markdown table")
   args = parser.parse_args(argv)
-  device = jax.devices()[0]
-  print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+  print(f"{_timing.device_line()}, float32; median of "
         f"{args.repeats} samples, the chunk sizes taking turns.")
   rows = []
   for i, shape in enumerate(args.shape):

@@ -24,7 +24,6 @@ from the repository root:
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 import jax
@@ -88,30 +87,15 @@ def _bench(function: str, shape: bench.Shape, repeats: int, key: jax.Array) -> l
     args, w = _ssd_inputs(shape, key)
   else:
     args, w = bench.inputs("delta_rule", shape, key)
-  count = len(args)
-  compiled, outputs = {}, {}
-  for name, method in _methods(function).items():
-    forward, _ = _timing.compile_timed(method, *args)
-    loss = lambda *a, method=method: jnp.sum(method(*a[:count]) * a[count])
-    gradient, _ = _timing.compile_timed(jax.grad(loss, argnums=tuple(range(count))), *args, w)
-    compiled[name] = (forward, gradient)
-    outputs[name] = np.asarray(forward(*args))
-  want = outputs["ssmkit auto"]
-  for name, out in outputs.items():
-    if not np.abs(out - want).max() <= _RTOL * np.abs(want).max():
-      raise RuntimeError(f"{name} disagrees with ssmkit auto for {function} at {shape}.")
-  forward_s = _timing.interleaved_medians(
-      {name: functools.partial(fns[0], *args) for name, fns in compiled.items()}, repeats=repeats)
-  gradient_s = _timing.interleaved_medians(
-      {name: functools.partial(fns[1], *args, w) for name, fns in compiled.items()},
-      repeats=repeats)
+  results = _timing.forward_and_gradient(
+      _methods(function), args, lambda out, w: jnp.sum(out * w), (w,), reference="ssmkit auto",
+      rtol=_RTOL, repeats=repeats)
+  auto = results["ssmkit auto"]
   rows = []
-  for name, (_, gradient) in compiled.items():
-    memory = _timing.temp_bytes(gradient)
-    rows.append((function, str(shape), name, _timing.significant(forward_s[name] * 1e3),
-                 f"{forward_s[name] / forward_s['ssmkit auto']:.2f}",
-                 _timing.significant(gradient_s[name] * 1e3),
-                 f"{gradient_s[name] / gradient_s['ssmkit auto']:.2f}",
+  for name, (forward_s, gradient_s, memory) in results.items():
+    rows.append((function, str(shape), name, _timing.significant(forward_s * 1e3),
+                 f"{forward_s / auto[0]:.2f}", _timing.significant(gradient_s * 1e3),
+                 f"{gradient_s / auto[1]:.2f}",
                  "-" if memory is None else _timing.significant(memory / 2**20)))
   return rows
 
@@ -121,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--repeats", type=int, default=20, help="timed samples per cell")
   parser.add_argument("--markdown", action="store_true", help="print a markdown table")
   args = parser.parse_args(argv)
-  device = jax.devices()[0]
-  print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+  print(f"{_timing.device_line()}, float32; median of "
         f"{args.repeats} samples, methods taking turns; x ssmkit: the time over ssmkit auto's.")
   rows = []
   for i, (function, shapes) in enumerate(SHAPES.items()):

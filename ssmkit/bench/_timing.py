@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import random
 import statistics
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -23,6 +25,12 @@ CELL_BUDGET_S = 2.0
 
 # Printed instead of the criteria by a `--shapes small` run, whose timings are microseconds.
 SMALL_SHAPES_NOTE = "Criteria: judged on the full suite only (--shapes full), not on microseconds."
+
+
+def device_line() -> str:
+  """"jax <version>, <platform> (<device kind>)": what a benchmark ran on, for its header."""
+  device = jax.devices()[0]
+  return f"jax {jax.__version__}, {device.platform} ({device.device_kind})"
 
 
 def compile_timed(fn: Callable[..., Any], *args: Any) -> tuple[jax.stages.Compiled, float]:
@@ -44,6 +52,42 @@ def temp_bytes(compiled: jax.stages.Compiled) -> int | None:
   """XLA's temporary buffer size of `compiled` (arguments and outputs excluded), if known."""
   analysis = compiled.memory_analysis()
   return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def forward_and_gradient(methods: Mapping[K, Callable[..., Any]], args: Sequence[Any],
+                         loss: Callable[..., Any], extra: Sequence[Any] = (), *, reference: K,
+                         rtol: float, repeats: int) -> dict[K, tuple[float, float, int | None]]:
+  """Times methods computing one function side by side, forward and gradient.
+
+  Each method's forward on `args` and gradient of `loss(method(*args), *extra)` with respect to
+  every one of `args` are compiled; the forwards' outputs are checked against `reference`'s
+  (relative to its largest magnitude); then the forwards, and the gradients, take turns
+  (`interleaved_medians`).
+
+  Returns:
+    `{name: (forward seconds, gradient seconds, the gradient's temporary bytes or None)}`.
+
+  Raises:
+    RuntimeError: naming the method whose outputs are more than `rtol` off `reference`'s.
+  """
+  count = len(args)
+  compiled, outputs = {}, {}
+  for name, method in methods.items():
+    forward, _ = compile_timed(method, *args)
+    objective = lambda *a, method=method: loss(method(*a[:count]), *a[count:])
+    gradient, _ = compile_timed(jax.grad(objective, argnums=tuple(range(count))), *args, *extra)
+    compiled[name] = (forward, gradient)
+    outputs[name] = np.asarray(forward(*args))
+  want = outputs[reference]
+  for name, out in outputs.items():
+    if not np.abs(out - want).max() <= rtol * np.abs(want).max():
+      raise RuntimeError(f"{name!r} disagrees with {reference!r}.")
+  inputs = (args, (*args, *extra))  # the forwards', the gradients'
+  seconds = [interleaved_medians({name: functools.partial(fns[i], *inputs[i])
+                                  for name, fns in compiled.items()}, repeats=repeats)
+             for i in (0, 1)]
+  return {name: (seconds[0][name], seconds[1][name], temp_bytes(fns[1]))
+          for name, fns in compiled.items()}
 
 
 def _call_seconds(thunk: Callable[[], Any], calls: int) -> float:

@@ -301,9 +301,8 @@ def run(*, shapes: str, repeats: int, markdown: bool, layers: list[str] | None =
           f"{', '.join(LAYERS)}.", file=sys.stderr)
     return 2
   names = layers or suite.only_layers or tuple(LAYERS)
-  device = jax.devices()[0]
   print(
-      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+      f"{_timing.device_line()}, float32; median of "
       f"{repeats} samples (fewer where they would take over {_timing.CELL_BUDGET_S:g} s), "
       "modes taking turns. Mtok/s: B*T / time. x parallel: the parallel "
       "(lax.associative_scan) mode's time over the mode's. Layers at their defaults: "

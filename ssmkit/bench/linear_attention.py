@@ -422,9 +422,8 @@ def run(*, shapes: str, repeats: int, markdown: bool, functions: Sequence[str] |
           f"{log_decays[0]:g} {log_decays[1]:g}.", file=sys.stderr)
     return 2
   suite = SUITES[shapes]
-  device = jax.devices()[0]
   print(
-      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+      f"{_timing.device_line()}, float32; median of "
       f"{repeats} samples per time (fewer where they would take over "
       f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x lax.scan: {SCAN}'s time (or "
       "temp memory) over the row's. temp MiB, compile s: of the fwd+bwd function. "

@@ -345,9 +345,8 @@ def run(*, shapes: str, repeats: int, markdown: bool) -> int:
   """
   suite = SUITES[shapes]
   _warm_up()
-  device = jax.devices()[0]
   print(
-      f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32; median of "
+      f"{_timing.device_line()}, float32; median of "
       f"{repeats} samples per time (fewer where they would take over "
       f"{_timing.CELL_BUDGET_S:g} s), methods taking turns. x: time over the better of "
       f"{SCAN} and {ASSOCIATIVE}. temp MiB, compile s: of the fwd+bwd function."

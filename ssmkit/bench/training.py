@@ -233,8 +233,7 @@ def run(*, shapes: str, repeats: int, markdown: bool, configs: list[str] | None 
           f"({', '.join(shipped)}).", file=sys.stderr)
     return 2
   names = [name for name in shipped if name in configs] if configs else shipped
-  device = jax.devices()[0]
-  print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), float32 parameters; "
+  print(f"{_timing.device_line()}, float32 parameters; "
         f"median of {repeats} samples per step (fewer where they would take over "
         f"{_timing.CELL_BUDGET_S:g} s), the configs taking turns.")
   print("One optimizer step (forward, backward, AdamW) of each shipped lm config at its batch "
