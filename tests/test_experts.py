@@ -138,7 +138,9 @@ def test_vmap_over_an_ensemble_and_no_tokens():
   got = jax.vmap(run)(jax.tree.map(lambda *a: jnp.stack(a), *ensemble), x)
   for i, params in enumerate(ensemble):
     np.testing.assert_allclose(got[i], run(params, x[i]), rtol=1e-12, atol=1e-12)
-  assert run(ensemble[0], jnp.zeros((2, 0, 7))).shape == (2, 0, 7)
+  for config in CONFIGS.values():  # the grouped choice too
+    y, balance = moe.mixture(config, _params(config, 7), jnp.zeros((2, 0, 7)), jnp.float64)
+    assert y.shape == (2, 0, 7) and balance == 0
 
 
 def _model(**options):

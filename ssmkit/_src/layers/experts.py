@@ -146,7 +146,7 @@ def route(config: Experts, params: dict[str, Array], x: Array) -> tuple[Array, A
   scores = jax.nn.softmax(logits) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
   choice = scores + params["score_bias"][None] if config.score_bias else scores
   if config.groups > 1:
-    grouped = choice.reshape(*choice.shape[:-1], config.groups, -1)
+    grouped = choice.reshape(*choice.shape[:-1], config.groups, config.num_experts // config.groups)
     best = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), config.top_groups)[1]
     kept = jnp.zeros(grouped.shape[:-1], bool).at[
         jnp.arange(grouped.shape[0])[:, None], best].set(True)
