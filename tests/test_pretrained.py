@@ -483,6 +483,9 @@ def test_a_computation_dtype_that_is_none_is_named():
 def test_a_path_that_is_no_checkpoint_is_named(tmp_path):
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"neither a checkpoint directory nor"):
     ssmkit.pretrained.load(tmp_path / "nothing" / "here" / "at_all")
+  for path in ("/nothing", "./nothing", "~/nothing"):  # one slash, but paths, not repository ids
+    with pytest.raises(ssmkit.pretrained.CheckpointError, match=rf"{path!r} is neither"):
+      ssmkit.pretrained.load(path)
   # A repository id: downloaded where the hub extra and a network are present, named otherwise.
   with pytest.raises(ssmkit.pretrained.CheckpointError,
                      match=r"'no-such-owner/no-such-model' (is not a directory here|could not be)"):

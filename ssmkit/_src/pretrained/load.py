@@ -59,7 +59,8 @@ def checkpoint_directory(path_or_repo_id: str | pathlib.Path, *, weights: bool =
   if directory.is_dir():
     return directory
   name = str(path_or_repo_id)
-  if directory.exists() or name.count("/") != 1:
+  # A repository id is owner/name, never a path from the root, the home or the current folder.
+  if directory.exists() or name.count("/") != 1 or name.startswith(("/", "~", ".")):
     raise CheckpointError(f"`path_or_repo_id` {name!r} is neither a checkpoint directory nor a "
                           "Hugging Face repository id (owner/name).")
   try:
