@@ -253,7 +253,10 @@ def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
   for i in range(30):
     words = " ".join(f"t{w}" for w in rng.integers(3, 96, rng.integers(5, 40)))
     (corpus / f"doc{i}.txt").write_text(words, encoding="utf-8")
-  overrides = [f"model.pretrained={published}", f"data.path={corpus}", *TINY]
+  # The checkpoint replaces the `model` section's architecture: TINY's model fields would be
+  # refused.
+  overrides = [f"model.pretrained={published}", f"data.path={corpus}",
+               *(option for option in TINY if not option.startswith("model."))]
   config = train.load_config("lm_mamba", overrides)
   with jax.enable_x64(False):
     run = train.supervised.setup(config, lm_train.TASK)
@@ -281,6 +284,11 @@ def test_a_run_fine_tunes_a_published_checkpoint(tmp_path, capsys):
   assert cli.main(["train", "lm_mamba", "--workdir", str(tmp_path / "bad"), *overrides,
                    "data.tokenizer=tokenizer.json"]) == 2
   assert "`data.tokenizer` must be null with `model.pretrained`" in capsys.readouterr().err
+  for option in ("model.features=8", "model.layer_kwargs.d_state=4"):
+    assert cli.main(["train", "lm_mamba", "--workdir", str(tmp_path / "bad"), *overrides,
+                     option]) == 2
+    key = option.partition("=")[0]
+    assert f"`{key}` cannot be set with `model.pretrained`" in capsys.readouterr().err
   assert cli.main(["train", "lm_mamba", "--workdir", str(tmp_path / "bad"), *overrides,
                    f"model.pretrained={tmp_path / 'nothing'}"]) == 2
   assert "`model.pretrained`: " in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -43,6 +43,8 @@ class TaskKind:
     load: `(workdir, step=None) -> (model, variables, config)`.
     metric: the headline result of a summary and of an evaluation, which `ssmkit train` and
       `ssmkit eval` print last.
+    check_overrides: `(config, keys)`: refuses, as a `ConfigError`, override keys that the
+      validated config ignores (an lm run's `model` fields that `model.pretrained` replaces).
   """
 
   name: str
@@ -56,6 +58,7 @@ class TaskKind:
   evaluate: Callable[..., dict[str, Any]]
   load: Callable[..., tuple[Any, Any, Any]]
   metric: str
+  check_overrides: Callable[[Any, Sequence[str]], None] = lambda config, keys: None
 
 
 TASKS: dict[str, TaskKind] = {
@@ -86,6 +89,7 @@ TASKS: dict[str, TaskKind] = {
             evaluate=lm_train.evaluate,
             load=lm_train.load,
             metric="test_bits_per_byte",
+            check_overrides=lm_config.check_overrides,
         ),
         TaskKind(
             name="ppo",
@@ -170,7 +174,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
   Raises:
     FileNotFoundError: if `path` is neither a file nor a shipped config.
     ConfigError: for an unknown task or key, a value of the wrong type, a missing mandatory value
-      (`data.name`, `env.name`) or a value out of range; the message names the key.
+      (`data.name`, `env.name`), a value out of range, or an override that the config ignores
+      (with `model.pretrained`, the `model` fields its checkpoint replaces); the message names
+      the key.
 
   Examples:
     >>> config = load_config(None, ["data.name=mnist1d", "train.steps=100"])
@@ -181,7 +187,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
   schema.check_overrides(overrides)
   kind = _kind(_declared_task(content, overrides))
   _check_sections(kind, content, overrides)
-  return kind.validate(schema.merge(kind.schema, content, overrides))
+  config = kind.validate(schema.merge(kind.schema, content, overrides))
+  kind.check_overrides(config, [override.partition("=")[0] for override in overrides])
+  return config
 
 
 def shipped_configs(task: str | None = None) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from ssmkit._src.train.core.errors import ConfigError
 from ssmkit._src.train.core.model import ModelConfig
@@ -40,10 +41,10 @@ class LMModelConfig(ModelConfig):
   pooling: str = "none"
   # A Hugging Face checkpoint to fine-tune (a directory, or a hub id with the hub extra):
   # its architecture and weights replace this section's layer, width, depth, block, norm, MLP
-  # and head options and the initialisation, and its tokenizer.json tokenises the text
-  # (`data.tokenizer` stays null); dropout_rate, dtype, param_dtype, mode and scan_blocks
-  # (the checkpoint's blocks under `nn.scan`, by the shortest period of its layers after any
-  # distinct first ones) still apply.
+  # and head options and the initialisation (an override of one of them is refused), and its
+  # tokenizer.json tokenises the text (`data.tokenizer` stays null); dropout_rate, dtype,
+  # param_dtype, mode and scan_blocks (the checkpoint's blocks under `nn.scan`, by the
+  # shortest period of its layers after any distinct first ones) still apply.
   pretrained: str | None = None
 
 
@@ -87,6 +88,29 @@ MINIMUMS: dict[str, float] = {**supervised.MINIMUMS, "data.seq_len": 2, "samples
                                "samples.prompt_tokens": 1, "samples.new_tokens": 1}
 # Each numeric field that must be > 0.
 POSITIVE = (*supervised.POSITIVE, "samples.temperature")
+
+
+# The `model` fields a checkpoint of `model.pretrained` replaces; the others still apply.
+KEPT_WITH_CHECKPOINT = ("pretrained", "pooling", "dropout_rate", "scan_blocks", "dtype",
+                        "param_dtype", "mode")
+
+
+def check_overrides(config: LMConfig, keys: Sequence[str]) -> None:
+  """Refuses an override of a `model` field that the checkpoint of `model.pretrained` replaces,
+  which would otherwise change nothing.
+
+  Raises:
+    ConfigError: naming the first such key.
+  """
+  if config.model.pretrained is None:
+    return
+  for key in keys:
+    section, _, rest = key.partition(".")
+    name = rest.split(".")[0]
+    if section == "model" and name and name not in KEPT_WITH_CHECKPOINT:
+      raise ConfigError(f"`{key}` cannot be set with `model.pretrained`: the checkpoint's "
+                        f"architecture replaces `model.{name}`; of the `model` section, only "
+                        f"{', '.join(KEPT_WITH_CHECKPOINT[2:])} still apply.")
 
 
 def validate(config: LMConfig) -> LMConfig:
