@@ -90,9 +90,9 @@ MINIMUMS: dict[str, float] = {**supervised.MINIMUMS, "data.seq_len": 2, "samples
 POSITIVE = (*supervised.POSITIVE, "samples.temperature")
 
 
-# The `model` fields a checkpoint of `model.pretrained` replaces; the others still apply.
-KEPT_WITH_CHECKPOINT = ("pretrained", "pooling", "dropout_rate", "scan_blocks", "dtype",
-                        "param_dtype", "mode")
+# The `model` fields that still apply with `model.pretrained`, whose checkpoint replaces the
+# others (but `pooling`, "none" in every lm run).
+KEPT_WITH_CHECKPOINT = ("dropout_rate", "scan_blocks", "dtype", "param_dtype", "mode")
 
 
 def check_overrides(config: LMConfig, keys: Sequence[str]) -> None:
@@ -107,10 +107,10 @@ def check_overrides(config: LMConfig, keys: Sequence[str]) -> None:
   for key in keys:
     section, _, rest = key.partition(".")
     name = rest.split(".")[0]
-    if section == "model" and name and name not in KEPT_WITH_CHECKPOINT:
+    if section == "model" and name not in ("", "pretrained", "pooling", *KEPT_WITH_CHECKPOINT):
       raise ConfigError(f"`{key}` cannot be set with `model.pretrained`: the checkpoint's "
                         f"architecture replaces `model.{name}`; of the `model` section, only "
-                        f"{', '.join(KEPT_WITH_CHECKPOINT[2:])} still apply.")
+                        f"{', '.join(KEPT_WITH_CHECKPOINT)} still apply.")
 
 
 def validate(config: LMConfig) -> LMConfig:
