@@ -57,7 +57,8 @@ class Experts:
 
   Every leading axis of the inputs is a token axis. `jax.vmap` works where the parameters are
   mapped too (an ensemble); over tokens with shared parameters, jax's `ragged_dot` (0.10,
-  0.11) has no batching rule: give the mapped axis to the mixture as a leading axis instead.
+  0.11) has no batching rule, and a `NotImplementedError` says so: give the mapped axis to the
+  mixture as a leading axis instead.
 
   Attributes:
     num_experts: the routed experts E.
@@ -180,8 +181,20 @@ def mixture(config: Experts, params: dict[str, Array], x: Array, dtype: Any,
   rows = tokens[order // config.top_k]
   sizes = jnp.bincount(flat, length=config.num_experts).astype(jnp.int32)
   wide = accumulation_dtype(dtype)
-  grouped = lambda a, name: jax.lax.ragged_dot(a.astype(dtype), params[name].astype(dtype),
-                                               sizes, preferred_element_type=wide)
+
+  def grouped(a: Array, name: str) -> Array:
+    try:
+      return jax.lax.ragged_dot(a.astype(dtype), params[name].astype(dtype), sizes,
+                                preferred_element_type=wide)
+    except NotImplementedError as error:
+      if "vmap" not in str(error):
+        raise
+      raise NotImplementedError(
+          "A mixture of experts under `jax.vmap` over its tokens, with parameters shared across "
+          "the mapped axis: jax's `ragged_dot` has no batching rule for that. Give the mapped "
+          "axis to the model as a leading axis of its inputs instead (every leading axis is a "
+          "token axis).") from error
+
   out = _mlp(config, rows, grouped, "") * weights.reshape(-1)[order][:, None].astype(wide)
   y = jnp.zeros_like(out).at[order].set(out).reshape(*experts.shape, out.shape[-1]).sum(axis=-2)
   if config.shared_width:
