@@ -107,10 +107,10 @@ def test_a_configuration_is_traced_once_however_often_it_loads():
   """`load` traces a model's initialisation (for its variables' shapes) once per configuration:
   the checkpoint's NNX twin, and the checkpoint again, reuse the trace."""
   ssmkit.pretrained.load(FIXTURES / "mamba")
-  traced = pretrained_load._variable_shapes.cache_info()
+  traced = pretrained_load.variable_shapes.cache_info()
   ssmkit.pretrained.load(FIXTURES / "mamba", nnx=True)
   ssmkit.pretrained.load(FIXTURES / "mamba")
-  again = pretrained_load._variable_shapes.cache_info()
+  again = pretrained_load.variable_shapes.cache_info()
   assert (again.hits, again.misses) == (traced.hits + 2, traced.misses)
 
 
@@ -646,13 +646,24 @@ def test_save_shards_a_checkpoint_past_shard_bytes(tmp_path):
       ssmkit.pretrained.save(model, variables, tmp_path / "bad", shard_bytes=bad)
 
 
+def _zeros(model):
+  """Variables of `model`'s shapes, all zero."""
+  shapes = pretrained_load.variable_shapes(model)
+  return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+
+
 def test_save_names_what_no_architecture_expresses(tmp_path):
   model, variables, _ = ssmkit.pretrained.load(FIXTURES / "mamba2")
   cases = [
       # (with SwiGLU MLPs it would be a Bamba)
       (model.clone(mlp="gelu"), variables,
        r"`model.mlp`='gelu': a Mamba2ForCausalLM has mlp='none'"),
-      (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture"),
+      (model.clone(layer=layers.LRU), variables, r"its layers \(LRU\) make no architecture that "
+       r"save writes \(Mamba: MambaForCausalLM, .*; KimiDeltaAttention \+ LatentAttention \+ "
+       r"FeedForward: KimiLinearForCausalLM"),
+      (model, {"params": {}}, r"`variables\['params'\]` do not fill ssmkit's model: missing "
+       r"\['block_0/"),
+      (model, [variables], r"`variables` must be the model's variables"),
       # A pattern of Mamba-2 blocks without MLPs is a Nemotron-H's, whose step sizes are not
       # clipped above.
       (model.clone(layer=(model.layer, model.layer)), variables,
@@ -673,16 +684,18 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
   ]
   qwen, qwen_weights, _ = ssmkit.pretrained.load(FIXTURES / "qwen3_5_text")
   falcon, falcon_weights, _ = ssmkit.pretrained.load(FIXTURES / "falcon_h1")
+  # Models whose variables fit them, which no architecture expresses.
+  parallel = falcon.clone(layer=functools.partial(layers.Parallel, layers=("mamba2", "short_conv")))
+  gated = model.clone(layer=functools.partial(model.layer, gate_norm="gate"))
   cases += [
       # A factor an architecture does not write is refused, not dropped.
       (qwen.clone(mlp_scales=(0.5, 1.0)), qwen_weights,
        r"`model.mlp_scales`=\(0.5, 1.0\): a Qwen3_5ForCausalLM has mlp_scales=\(1.0, 1.0\)"),
       (falcon.clone(residual_scale=0.5), falcon_weights,
        r"`model.residual_scale`=0.5: a FalconH1ForCausalLM has residual_scale=1.0"),
-      (falcon.clone(layer=functools.partial(layers.Parallel, layers=("mamba2", "short_conv"))),
-       falcon_weights, r"a FalconH1ForCausalLM has one Parallel layer of Mamba2 then Attention"),
-      (model.clone(layer=functools.partial(model.layer, gate_norm="gate")),
-       variables, r"a Mamba2ForCausalLM has Mamba2 layers with gate_norm='norm_gated'"),
+      (parallel, _zeros(parallel),
+       r"a FalconH1ForCausalLM has one Parallel layer of Mamba2 then Attention"),
+      (gated, _zeros(gated), r"a Mamba2ForCausalLM has Mamba2 layers with gate_norm='norm_gated'"),
   ]
   for bad, values, message in cases:
     with pytest.raises(ssmkit.pretrained.CheckpointError, match=message):
@@ -699,9 +712,9 @@ def test_save_names_what_no_architecture_expresses(tmp_path):
                      match=r"a Qwen3_5MoeForCausalLM routes by softmax without scaling"):
     ssmkit.pretrained.save(moe.clone(experts=dataclasses.replace(moe.experts, routed_scale=2.0)),
                            experts, tmp_path / "out")
+  relu2 = moe.clone(experts=dataclasses.replace(moe.experts, activation="relu2"))
   with pytest.raises(ssmkit.pretrained.CheckpointError, match=r"to SwiGLU experts"):
-    ssmkit.pretrained.save(moe.clone(experts=dataclasses.replace(moe.experts, activation="relu2")),
-                           experts, tmp_path / "out")
+    ssmkit.pretrained.save(relu2, _zeros(relu2), tmp_path / "out")
 
 
 def _transformers():

@@ -77,7 +77,7 @@ def checkpoint_directory(path_or_repo_id: str | pathlib.Path, *, weights: bool =
 
 
 @functools.lru_cache(maxsize=16)
-def _variable_shapes(model: SequenceModel) -> Any:
+def variable_shapes(model: SequenceModel) -> Any:
   """The shapes and dtypes of `model`'s variables, traced once per configuration: loading the
   same checkpoint again (linen, then NNX) or another of the same configuration (a fine-tuned
   copy) skips the trace."""
@@ -144,7 +144,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
   unrolled = SequenceModel(**_canonical(architecture.options(fields)), dtype=dtype)
   model = with_scanned_blocks(unrolled) if scan_blocks else unrolled
   try:
-    shapes = _variable_shapes(model)
+    shapes = variable_shapes(model)
   except ValueError as error:
     raise CheckpointError(f"{fields.source} gives a model ssmkit cannot build: {error}") from None
   if abstract:
@@ -156,7 +156,7 @@ def load(path_or_repo_id: str | pathlib.Path, *, dtype: Any = None, nnx: bool = 
     tensors.finish()
     if scan_blocks:
       params = _stacked(model, params)
-    _check_tree(shapes["params"], params, directory)
+    check_tree(shapes["params"], params, f"{directory}: the weights")
     variables = {"params": jax.tree.map(np.asarray, params)}
   if nnx:
     from flax import nnx as flax_nnx
@@ -253,8 +253,9 @@ def _language_model(fields: Fields) -> Fields:
   return Fields({**text, **outer}, f"{fields.source} (text_config)")
 
 
-def _check_tree(expected: dict[str, Any], params: dict[str, Any], directory: pathlib.Path) -> None:
-  """Checks that `params` has every parameter of the model's `expected` shapes.
+def check_tree(expected: dict[str, Any], params: dict[str, Any], what: str) -> None:
+  """Checks that `params` (named `what` in the error) has every parameter of the model's
+  `expected` shapes.
 
   Raises:
     CheckpointError: naming the parameters missing, extra or of another shape.
@@ -264,5 +265,5 @@ def _check_tree(expected: dict[str, Any], params: dict[str, Any], directory: pat
   if want != got:
     wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
-    raise CheckpointError(f"{directory}: the weights do not fill ssmkit's model: missing {missing}, "
-                          f"extra {extra}, of another shape {wrong}.")
+    raise CheckpointError(f"{what} do not fill ssmkit's model: missing {missing}, extra {extra}, "
+                          f"of another shape {wrong}.")

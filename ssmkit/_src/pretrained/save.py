@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -14,7 +15,13 @@ import numpy as np
 from ssmkit._src.layers.common import check_positive_int
 from ssmkit._src.layers.model import SequenceModel, layer_pattern, scanned_place, with_unrolled_blocks
 from ssmkit._src.pretrained.files import CONFIG, INDEX, SINGLE, CheckpointError, read_config
-from ssmkit._src.pretrained.load import MODEL_TYPES, MODULES, checkpoint_directory
+from ssmkit._src.pretrained.load import (
+  MODEL_TYPES,
+  MODULES,
+  check_tree,
+  checkpoint_directory,
+  variable_shapes,
+)
 
 # The architectures `save` writes, each with the layers its models are made of, in the order
 # it prefers them.
@@ -73,7 +80,8 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
 
   Raises:
     CheckpointError: naming the model option that no architecture expresses (another layer,
-      an MLP where the architecture has none, a decoder bias that is not zero...), an
+      an MLP where the architecture has none, a decoder bias that is not zero...), the
+      parameters of `variables` missing, extra or of another shape than `model`'s, an
       `architecture` that does not express it, a `dtype` not in `DTYPES`, or a `shard_bytes`
       that is not a positive int.
   """
@@ -91,6 +99,10 @@ def save(model: Any, variables: Any, directory: str | pathlib.Path, *,
     raise CheckpointError(f"`architecture` {architecture!r} does not express `model`, which saves "
                           f"as a {chosen.ARCHITECTURE}.")
   architecture = chosen
+  if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
+    raise CheckpointError("`variables` must be the model's variables, `{\"params\": ...}`, got "
+                          f"{type(variables).__name__}.")
+  check_tree(variable_shapes(model)["params"], variables["params"], "`variables['params']`")
   params = jax.tree.map(lambda v: np.asarray(v, np.float32), variables["params"])
   fields, tensors = architecture.checkpoint(with_unrolled_blocks(model), _blocks(model, params),
                                             params)
@@ -194,9 +206,14 @@ def _architecture(model: SequenceModel, preferred: str | None) -> Any:
       len(a.LAYERS) > 1 or not isinstance(model.layer, tuple))]
   if not found:
     names = ", ".join(sorted(kind.__name__ for kind in kinds))
+    by_layers: dict[str, list[str]] = {}
+    for written in WRITTEN:
+      layers = " + ".join(kind.__name__ for kind in written.LAYERS)
+      by_layers.setdefault(layers, []).append(written.ARCHITECTURE)
+    known = "; ".join(f"{layers}: {', '.join(architectures)}"
+                      for layers, architectures in by_layers.items())
     raise CheckpointError(f"`model`: its layers ({names}) make no architecture that save writes "
-                          "(Mamba, Falcon-Mamba, Mamba2, RGLRU and Attention as RecurrentGemma, "
-                          "GatedDeltaNet and Attention as Qwen3.5).")
+                          f"({known}).")
   exact = [a for a in found if all(_option(model, k) == v for k, v in _required(a).items())]
   architecture = next((a for a in exact if preferred == a.ARCHITECTURE), (exact or found)[0])
   for name, value in _required(architecture).items():
