@@ -139,8 +139,8 @@ def test_vmap_over_an_ensemble_and_no_tokens():
   for i, params in enumerate(ensemble):
     np.testing.assert_allclose(got[i], run(params, x[i]), rtol=1e-12, atol=1e-12)
   # Over tokens with shared parameters, jax's ragged_dot has no batching rule: named, with the
-  # way around it, where the mixture is traced under `vmap` (a function jitted before `vmap`
-  # meets it, traced, as jax's error).
+  # way around it, where the mixture is traced under `vmap`. A function jitted before `vmap`
+  # meets it already traced, and keeps jax's own error.
   shared = lambda x: moe.mixture(config, ensemble[0], x, jnp.float64)[0]
   with pytest.raises(NotImplementedError, match=r"`jax.vmap` over its tokens.*leading axis"):
     jax.vmap(shared)(x)
