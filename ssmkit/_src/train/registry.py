@@ -139,10 +139,10 @@ def _declared_task(content: Mapping[str, Any], overrides: Sequence[str]) -> Any:
   return task
 
 
-def _check_sections(kind: TaskKind, content: Mapping[str, Any], overrides: Sequence[str]) -> None:
+def _check_sections(kind: TaskKind, content: Mapping[str, Any], keys: Sequence[str]) -> None:
   """Names the task kind of a section that belongs to another kind's schema than `kind`'s."""
   own = {field.name for field in dataclasses.fields(kind.schema)}
-  sections = set(content) | {override.partition("=")[0].split(".")[0] for override in overrides}
+  sections = set(content) | {key.split(".")[0] for key in keys}
   for section in sorted(sections - own):
     owner = next((other.name for other in TASKS.values()
                   if section in {field.name for field in dataclasses.fields(other.schema)}), None)
@@ -186,9 +186,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
   content = schema.read_yaml(path) if path is not None else {}
   schema.check_overrides(overrides)
   kind = _kind(_declared_task(content, overrides))
-  _check_sections(kind, content, overrides)
+  keys = [override.partition("=")[0] for override in overrides]
+  _check_sections(kind, content, keys)
   config = kind.validate(schema.merge(kind.schema, content, overrides))
-  kind.check_overrides(config, [override.partition("=")[0] for override in overrides])
+  kind.check_overrides(config, keys)
   return config
 
 
